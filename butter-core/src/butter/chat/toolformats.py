@@ -22,6 +22,8 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from butter.hookspecs import hookimpl
+
 __all__ = [
     "BUILTIN_TOOL_FORMATS",
     "NOT_A_BLOCK",
@@ -403,3 +405,10 @@ _CONVERTERS: Final[dict[str, Callable[[str], Any]]] = {
 
 BUILTIN_TOOL_FORMATS: Final[tuple[ToolFormat, ...]] = (JsonToolFormat(), XmlToolFormat())
 """Tried in this order when two formats share an open tag."""
+
+
+@hookimpl
+def register_tool_formats(register) -> None:
+    """The built-in formats register through the same hook as third-party ones."""
+    for tool_format in BUILTIN_TOOL_FORMATS:
+        register(tool_format)

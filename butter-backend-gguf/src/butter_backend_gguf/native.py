@@ -1,0 +1,274 @@
+"""GGUF checkpoints on llama.cpp through llama-cpp-python's low-level API.
+
+Imported only when a GGUF model is loaded: ``llama_cpp`` is heavy and optional.
+The engine thread owns every native object made here; ``close`` frees them at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import threading
+from typing import Sequence
+
+import llama_cpp as ll
+
+from butter.backend import BatchEntry, DecodeFailedError, ModelInfo, SamplingParams
+from butter.errors import ModelLoadError
+from butter.resolve import GGUF_MAGIC, ResolvedModel
+
+log = logging.getLogger("butter.gguf")
+
+# llama_decode return codes (llama.h).
+DECODE_OUTCOMES = {1: "no KV slot for the batch", 2: "aborted", -1: "invalid batch"}
+# ggml_log_level (ggml.h).
+LOG_WARN, LOG_ERROR = 3, 4
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_recent_errors: collections.deque[str] = collections.deque(maxlen=8)
+
+
+@ll.llama_log_callback
+def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    message = text.decode("utf-8", errors="replace").rstrip()
+    if not message:
+        return
+    if level == LOG_ERROR:
+        _recent_errors.append(message)
+        log.debug("llama.cpp: %s", message)
+    elif level == LOG_WARN:
+        log.debug("llama.cpp: %s", message)
+
+
+def _ensure_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            ll.llama_backend_init()
+            _backend_ready = True
+
+
+def _check_header(resolved: ResolvedModel) -> None:
+    try:
+        with open(resolved.path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelLoadError(resolved.model_id, f"cannot read {resolved.path}: {exc.strerror}")
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(resolved.model_id, f"{resolved.path} is not a GGUF file")
+
+
+def load_model(resolved: ResolvedModel, *, threads: int | None) -> "GGUFModel":
+    _ensure_backend()
+    _check_header(resolved)
+    params = ll.llama_model_default_params()
+    _recent_errors.clear()
+    handle = ll.llama_model_load_from_file(str(resolved.path).encode(), params)
+    if not handle:
+        reason = "; ".join(_recent_errors) or "llama.cpp could not load the file"
+        raise ModelLoadError(resolved.model_id, reason)
+    return GGUFModel(handle, threads=threads or os.cpu_count() or 1)
+
+
+class GGUFModel:
+    """A loaded GGUF checkpoint: weights, vocabulary, chat template."""
+
+    def __init__(self, handle, *, threads: int) -> None:
+        self._handle = handle
+        self._vocab = ll.llama_model_get_vocab(handle)
+        self.threads = threads
+        self._pieces: dict[int, bytes] = {}
+        self.info = self._read_info()
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = ll.llama_model_meta_val_str(self._handle, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            ll.llama_model_meta_val_str(self._handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return ll.llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
+
+    def _read_info(self) -> ModelInfo:
+        arch = self._meta("general.architecture") or "unknown"
+        template = ll.llama_model_chat_template(self._handle, None)
+        recurrent = bool(ll.llama_model_is_recurrent(self._handle))
+        hybrid = bool(ll.llama_model_is_hybrid(self._handle))
+        experts = int(self._meta(f"{arch}.expert_count") or 0)
+        desc = ctypes.create_string_buffer(128)
+        ll.llama_model_desc(self._handle, desc, len(desc))
+        return ModelInfo(
+            architecture=arch,
+            n_ctx_train=int(ll.llama_model_n_ctx_train(self._handle)),
+            chat_template=template.decode("utf-8") if template else None,
+            bos_token=self._token_text(ll.llama_vocab_bos(self._vocab)),
+            eos_token=self._token_text(ll.llama_vocab_eos(self._vocab)),
+            add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
+            can_rewind=not (recurrent or hybrid),
+            fusable=not (recurrent or hybrid or experts > 0),
+            description=desc.value.decode("utf-8", errors="replace"),
+        )
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        tokens = (ll.llama_token * capacity)()
+        n = ll.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            tokens = (ll.llama_token * capacity)()
+            n = ll.llama_tokenize(
+                self._vocab, data, len(data), tokens, capacity, add_special, parse_special
+            )
+        return list(tokens[:n])
+
+    def token_piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+
+    def create_runtime(self, *, capacity: int, n_sessions: int, max_batch: int) -> "GGUFRuntime":
+        return GGUFRuntime(self, capacity=capacity, n_sessions=n_sessions, max_batch=max_batch)
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise RuntimeError("model is closed")
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            ll.llama_model_free(self._handle)
+            self._handle = None
+            self._pieces.clear()
+
+
+class GGUFSampler:
+    """One request's llama_sampler chain (own seed, own random draws)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if params.temperature <= 0.0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(params.top_k))
+            if params.top_p < 1.0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+        self.chain = chain
+
+    def close(self) -> None:
+        if self.chain is not None:
+            ll.llama_sampler_free(self.chain)
+            self.chain = None
+
+
+class BatchBuilder:
+    """A checked writer over one ``llama_batch``: capacity first, explicit positions."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.batch = ll.llama_batch_init(capacity, 0, 1)
+        self.n_tokens = 0
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+
+    def add(self, entry: BatchEntry) -> int:
+        """Write the entry's tokens; return the batch index of its last token."""
+        count = len(entry.tokens)
+        if count == 0 or self.n_tokens + count > self.capacity:
+            raise DecodeFailedError(
+                f"batch overflow: {self.n_tokens} + {count} tokens > capacity {self.capacity}"
+            )
+        batch, start = self.batch, self.n_tokens
+        for offset, token in enumerate(entry.tokens):
+            index = start + offset
+            batch.token[index] = token
+            batch.pos[index] = entry.position + offset
+            batch.n_seq_id[index] = 1
+            batch.seq_id[index][0] = entry.seq_id
+            batch.logits[index] = 0
+        last = start + count - 1
+        batch.logits[last] = 1 if entry.wants_logits else 0
+        self.n_tokens = start + count
+        batch.n_tokens = self.n_tokens
+        return last
+
+    def close(self) -> None:
+        if self.batch is not None:
+            ll.llama_batch_free(self.batch)
+            self.batch = None
+
+
+class GGUFRuntime:
+    """One llama.cpp context: a unified KV shared by every session (one seq id each)."""
+
+    def __init__(self, model: GGUFModel, *, capacity: int, n_sessions: int, max_batch: int) -> None:
+        params = ll.llama_context_default_params()
+        params.n_ctx = capacity
+        params.n_batch = max_batch
+        params.n_ubatch = max_batch
+        params.n_seq_max = n_sessions
+        params.n_threads = model.threads
+        params.n_threads_batch = model.threads
+        params.kv_unified = True
+        params.no_perf = True
+        _recent_errors.clear()
+        ctx = ll.llama_init_from_model(model.handle, params)
+        if not ctx:
+            reason = "; ".join(_recent_errors) or "llama.cpp could not create a context"
+            raise DecodeFailedError(reason)
+        self._ctx = ctx
+        self._memory = ll.llama_get_memory(ctx)
+        self.capacity = int(ll.llama_n_ctx(ctx))
+        self.n_sessions = n_sessions
+        self.max_batch = max_batch
+        self._builder = BatchBuilder(max_batch)
+
+    def decode(self, entries: Sequence[BatchEntry]) -> list[int]:
+        builder = self._builder
+        builder.clear()
+        outputs = [builder.add(entry) for entry in entries]
+        rc = ll.llama_decode(self._ctx, builder.batch)
+        if rc != 0:
+            outcome = DECODE_OUTCOMES.get(rc, f"fatal error {rc}")
+            raise DecodeFailedError(f"llama_decode failed: {outcome}")
+        return [index for index, entry in zip(outputs, entries) if entry.wants_logits]
+
+    def new_sampler(self, params: SamplingParams) -> GGUFSampler:
+        return GGUFSampler(params)
+
+    def sample(self, sampler: GGUFSampler, output_index: int) -> int:
+        return int(ll.llama_sampler_sample(sampler.chain, self._ctx, output_index))
+
+    def forget(self, seq_id: int, start: int) -> bool:
+        return bool(ll.llama_memory_seq_rm(self._memory, seq_id, start, -1))
+
+    def close(self) -> None:
+        self._builder.close()
+        if self._ctx is not None:
+            ll.llama_free(self._ctx)
+            self._ctx = None

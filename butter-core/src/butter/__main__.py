@@ -1,0 +1,5 @@
+import sys
+
+from butter.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""From a :class:`ChatRequest` to prompt text, and how to read the model's answer.
+
+Tools go to the chat template when it renders ``tools`` itself; otherwise a
+Hermes-style tools block is put in the system message, assistant tool calls in the
+history are written as ``<tool_call>`` JSON and tool results as
+``<tool_response>`` user turns, so a template that knows nothing of tools still
+shows the model a whole agent round trip.
+
+``tool_choice``: ``none`` leaves the tools out and parses no calls; ``auto`` lets
+the model decide; ``required`` opens the answer with ``<tool_call>`` so the model
+must write a call; a named function opens it with that function's name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from butter.chat.recovery import THINK_OPEN
+from butter.chat.request import ChatRequest
+from butter.chat.template import ChatTemplate
+
+TOOLS_PREAMBLE = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions. Here are the "
+    "available tools: <tools>\n{tools}\n</tools>\n"
+    "For each function call return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@attrs.frozen
+class PromptPlan:
+    text: str
+    parse_tools: bool
+    think_open: bool
+    # Text the prompt already wrote for the model (a forced tool-call opening): the
+    # answer is read as if it started with it.
+    answer_prefix: str = ""
+
+
+def build_prompt(request: ChatRequest, template: ChatTemplate, *,
+                 default_thinking: bool | None = None,
+                 default_effort: str | None = None) -> PromptPlan:
+    use_tools = request.wants_tools
+    messages = request.messages
+    tools = request.tools if use_tools else None
+    if use_tools and not template.accepts_tools:
+        messages = _inline_tools(messages, request.tools)
+        tools = None
+    elif template.accepts_tools:
+        messages = messages
+    else:
+        messages = _inline_history(messages)
+    kwargs = dict(request.template_kwargs)
+    thinking = request.enable_thinking if request.enable_thinking is not None else default_thinking
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    effort = request.reasoning_effort or default_effort
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+    text = template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+    think_open = text.rstrip().endswith(THINK_OPEN)
+    prefix = _forced_opening(request) if use_tools else ""
+    return PromptPlan(text=text + prefix, parse_tools=use_tools, think_open=think_open,
+                      answer_prefix=prefix)
+
+
+def _forced_opening(request: ChatRequest) -> str:
+    choice = request.tool_choice
+    if choice.mode == "required":
+        return "<tool_call>\n"
+    if choice.mode == "function" and choice.name:
+        return '<tool_call>\n{"name": ' + json.dumps(choice.name) + ', "arguments": '
+    return ""
+
+
+def _inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict]:
+    block = TOOLS_PREAMBLE.format(
+        tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    )
+    messages = _inline_history(messages)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0], role="system",
+                     content=f"{messages[0]['content']}\n\n{block}".strip())
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+def _inline_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Write tool calls and tool results as text, for templates that know no tools."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                              "arguments": c["function"]["arguments"]},
+                                             ensure_ascii=False) + "\n</tool_call>"
+                for c in message["tool_calls"]
+            )
+            content = f"{message['content']}\n{calls}".strip()
+            out.append({"role": "assistant", "content": content})
+        elif message["role"] == "tool":
+            response = f"<tool_response>\n{message['content']}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool_responses"):
+                out[-1] = dict(out[-1], content=out[-1]["content"] + "\n" + response)
+            else:
+                out.append({"role": "user", "content": response, "_tool_responses": True})
+        elif message["role"] == "developer":
+            out.append(dict(message, role="system"))
+        else:
+            out.append(message)
+    return [{k: v for k, v in m.items() if k != "_tool_responses"} for m in out]

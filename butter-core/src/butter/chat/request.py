@@ -1,0 +1,277 @@
+"""A chat request, validated: the one shape both HTTP dialects are turned into.
+
+``parse_chat_completion`` reads an OpenAI ``/v1/chat/completions`` body; the
+Anthropic route builds the same :class:`ChatRequest` in ``butter.chat.anthropic``.
+Every problem is an :class:`InvalidRequestError` naming the field; unknown fields
+are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import attrs
+
+from butter.engine.records import GenerationParams
+from butter.errors import InvalidRequestError
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+DEFAULT_TEMPERATURE = 0.8  # llama-server's default; OpenAI's is 1.0
+MAX_STOP_SEQUENCES = 16
+
+
+@attrs.frozen
+class ToolChoice:
+    mode: str = "auto"  # "none" | "auto" | "required" | "function"
+    name: str | None = None
+
+
+@attrs.frozen
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    params: GenerationParams
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    tools: list[dict[str, Any]] = attrs.field(factory=list)
+    tool_choice: ToolChoice = ToolChoice()
+    template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    enable_thinking: bool | None = None
+    reasoning_effort: str | None = None
+
+    @property
+    def wants_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice.mode != "none"
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body: UTF-8 JSON holding an object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("The request body is not valid UTF-8.") from None
+    if not text.strip():
+        raise InvalidRequestError("The request body is empty; expected a JSON object.")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"The request body is not valid JSON: {exc.msg} "
+                                  f"(line {exc.lineno}, column {exc.colno}).") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    return body
+
+
+# ---- field readers ------------------------------------------------------------------
+
+def _number(body: Mapping[str, Any], key: str, default: float, *, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"`{key}` must be a number.", param=key)
+    if not low <= value <= high:
+        raise InvalidRequestError(f"`{key}` must be between {low} and {high}.", param=key)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], key: str, *, low: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"`{key}` must be an integer.", param=key)
+    if low is not None and value < low:
+        raise InvalidRequestError(f"`{key}` must be at least {low}.", param=key)
+    return value
+
+
+def _boolean(body: Mapping[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"`{key}` must be a boolean.", param=key)
+    return value
+
+
+def _object(body: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"`{key}` must be an object.", param=key)
+    return value
+
+
+def _stops(value: Any, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidRequestError(f"`{key}` must be a string or a list of strings.", param=key)
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(f"`{key}` takes at most {MAX_STOP_SEQUENCES} sequences.",
+                                  param=key)
+    return tuple(s for s in value if s)
+
+
+def generation_params(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...],
+                      stop_key: str) -> GenerationParams:
+    max_tokens = None
+    for key in max_tokens_keys:
+        value = _integer(body, key, low=1)
+        if value is not None:
+            max_tokens = value
+            break
+    seed = _integer(body, "seed")
+    min_tokens = _integer(body, "min_tokens", low=0) or 0
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, low=0.0, high=2.0),
+        top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0) or 1.0,
+        seed=seed,
+        stop=_stops(body.get(stop_key), stop_key),
+        ignore_eos=bool(_boolean(body, "ignore_eos")),
+        min_tokens=min_tokens,
+    )
+
+
+# ---- OpenAI chat completions ----------------------------------------------------------
+
+def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("`model` must be a string.", param="model")
+    n = _integer(body, "n", low=1)
+    if n is not None and n != 1:
+        raise InvalidRequestError("Only `n: 1` is supported.", param="n")
+    stream = bool(_boolean(body, "stream"))
+    stream_options = _object(body, "stream_options")
+    kwargs = _object(body, "chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in ("low", "medium", "high", "minimal", "none"):
+        raise InvalidRequestError("`reasoning_effort` must be low, medium or high.",
+                                  param="reasoning_effort")
+    thinking = kwargs.get("enable_thinking")
+    return ChatRequest(
+        messages=_messages(body.get("messages")),
+        params=generation_params(body, max_tokens_keys=("max_completion_tokens", "max_tokens"),
+                                 stop_key="stop"),
+        model=model,
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage")),
+        tools=_tools(body.get("tools")),
+        tool_choice=_tool_choice(body.get("tool_choice")),
+        template_kwargs=kwargs,
+        enable_thinking=thinking if isinstance(thinking, bool) else None,
+        reasoning_effort=effort,
+    )
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        raise InvalidRequestError("`messages` is required.", param="messages")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("`messages` must be a non-empty list.", param="messages")
+    return [_message(item, index) for index, item in enumerate(value)]
+
+
+def _message(item: Any, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(item, dict):
+        raise InvalidRequestError(f"`{where}` must be an object.", param=where)
+    role = item.get("role")
+    if role not in ROLES:
+        raise InvalidRequestError(f"`{where}.role` must be one of {sorted(ROLES)}.",
+                                  param=f"{where}.role")
+    message: dict[str, Any] = {"role": role, "content": content_text(item.get("content"),
+                                                                     f"{where}.content")}
+    if role == "assistant" and item.get("tool_calls"):
+        message["tool_calls"] = _history_tool_calls(item["tool_calls"], where)
+    if role == "tool":
+        message["tool_call_id"] = str(item.get("tool_call_id") or "")
+    if isinstance(item.get("name"), str):
+        message["name"] = item["name"]
+    return message
+
+
+def content_text(content: Any, where: str) -> str:
+    """Message content as text: a string, or the text parts of a list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+                if not isinstance(part.get("text"), str):
+                    raise InvalidRequestError(f"`{where}` text parts need a string `text`.",
+                                              param=where)
+                parts.append(part["text"])
+            else:
+                raise InvalidRequestError(f"`{where}` holds a part this model cannot read "
+                                          "(only text parts are supported).", param=where)
+        return "".join(parts)
+    raise InvalidRequestError(f"`{where}` must be a string or a list of parts.", param=where)
+
+
+def _history_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"`{where}.tool_calls` must be a list.", param=where)
+    calls = []
+    for call in value:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(f"`{where}.tool_calls` entries need a function name.",
+                                      param=where)
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError:
+                pass  # kept as the client sent it
+        calls.append({"id": call.get("id", ""), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequestError("`tools` must be a list.", param="tools")
+    tools = []
+    for index, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(f"`tools[{index}]` must be a function tool with a name.",
+                                      param=f"tools[{index}]")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(f"`tools[{index}].function.parameters` must be an object.",
+                                      param=f"tools[{index}]")
+        entry = {"name": function["name"], "parameters": parameters}
+        if isinstance(function.get("description"), str):
+            entry["description"] = function["description"]
+        tools.append({"type": "function", "function": entry})
+    return tools
+
+
+def _tool_choice(value: Any) -> ToolChoice:
+    if value is None:
+        return ToolChoice()
+    if value in ("none", "auto", "required"):
+        return ToolChoice(mode=value)
+    if isinstance(value, dict):
+        function = value.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return ToolChoice(mode="function", name=function["name"])
+    raise InvalidRequestError("`tool_choice` must be none, auto, required or "
+                              '{"type": "function", "function": {"name": ...}}.',
+                              param="tool_choice")

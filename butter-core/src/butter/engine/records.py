@@ -1,0 +1,83 @@
+"""One record per live request and one per session; the engine thread owns both."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import attrs
+
+from butter.backend import Sampler, SamplingParams
+from butter.engine.events import Channel
+from butter.engine.text import Detokenizer, StopMatcher
+
+_request_ids = itertools.count(1)
+
+
+@attrs.frozen
+class GenerationParams:
+    """What the client asked for, already validated."""
+
+    max_tokens: int | None = None  # None: the documented default (see admission)
+    temperature: float = 0.8
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@attrs.define(slots=True, eq=False)
+class Session:
+    """One sequence id in the shared KV, and the tokens its cache holds."""
+
+    seq_id: int
+    tokens: list[int] = attrs.field(factory=list)
+    last_used: float = 0.0
+    request: "Request | None" = None
+
+    @property
+    def idle(self) -> bool:
+        return self.request is None
+
+
+@attrs.define(slots=True, eq=False)
+class Request:
+    """A live generation request, from submission until its last event."""
+
+    prompt: str | list[int]  # rendered prompt text, or token ids
+    params: GenerationParams
+    channel: Channel
+    add_special: bool = False
+    id: int = attrs.field(factory=lambda: next(_request_ids))
+    submitted_at: float = attrs.field(factory=time.monotonic)
+    # Set from any thread; the engine acts on it at the next bounded work unit.
+    cancelled: bool = False
+
+    # Engine-thread state below.
+    phase: Phase = Phase.QUEUED
+    prompt_tokens: list[int] = attrs.field(factory=list)
+    max_tokens: int = 0
+    reservation: int = 0  # KV cells promised to this request (prompt + decode)
+    session: Session | None = None
+    cached_tokens: int = 0
+    next_prefill: int = 0  # index into prompt_tokens of the next token to prefill
+    generated: list[int] = attrs.field(factory=list)
+    last_token: int | None = None
+    sampler: Sampler | None = None
+    sampling: SamplingParams | None = None
+    detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
+    stops: StopMatcher | None = None
+
+    @property
+    def position(self) -> int:
+        """Number of tokens of this request already in its session's KV."""
+        return self.session.tokens.__len__() if self.session else 0

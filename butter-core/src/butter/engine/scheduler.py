@@ -1,0 +1,401 @@
+"""The engine thread: admission, sessions, fused batches, cancellation.
+
+One thread owns the runtime (the back end's native context). Other threads talk to
+it only through :meth:`Engine.submit`, :meth:`Engine.cancel`, :meth:`Engine.call`
+and :meth:`Engine.stop`; it answers through each request's channel.
+
+Each loop iteration is one bounded work unit: it drops cancelled requests, admits
+waiting ones in FIFO order, then runs one model pass holding the next token of
+every decoding session and an equal-sized prefill chunk of every session in
+prefill.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import random
+import threading
+import time
+from typing import Callable
+
+import attrs
+
+from butter.backend import BatchEntry, DecodeFailedError, LoadedModel, Runtime, SamplingParams
+from butter.engine.admission import Admission
+from butter.engine.events import Admitted, Failed, Finished, TextDelta, Usage
+from butter.engine.metrics import Metrics
+from butter.engine.records import Phase, Request, Session
+from butter.engine.text import StopMatcher
+from butter.errors import ButterError, EngineStoppedError, InternalError, InvalidRequestError
+
+log = logging.getLogger("butter.engine")
+
+
+@attrs.frozen
+class EngineConfig:
+    parallel: int = 1
+    capacity: int = 8192  # KV cells shared by every session
+    n_sessions: int = 0  # 0: parallel + a few idle sessions kept for prefix reuse
+    max_batch: int = 512
+    prefill_chunk: int = 256
+
+    @property
+    def sessions(self) -> int:
+        return self.n_sessions or max(self.parallel * 2, self.parallel + 4)
+
+
+@attrs.frozen
+class _Submit:
+    request: Request
+
+
+@attrs.frozen
+class _Call:
+    function: Callable[[LoadedModel], object]
+    future: concurrent.futures.Future
+
+
+@attrs.frozen
+class _Stop:
+    error: ButterError
+
+
+_WAKE = object()
+
+
+class Engine:
+    """Runs every request of one loaded model on one thread."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig, *, name: str = "engine") -> None:
+        self.model = model
+        self.config = config
+        self.metrics = Metrics()
+        self.fused = model.info.fusable
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._active: list[Request] = []
+        self._sessions: list[Session] = []
+        self._runtime: Runtime | None = None
+        self._admission: Admission | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"butter-{name}", daemon=True)
+
+    # ---- called from other threads -------------------------------------------------
+
+    def start(self) -> None:
+        """Create the runtime on the engine thread; raise its error if that fails."""
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    @property
+    def capacity(self) -> int:
+        return self._admission.capacity if self._admission else self.config.capacity
+
+    def submit(self, request: Request) -> None:
+        if not self._thread.is_alive():
+            request.channel.emit(Failed(EngineStoppedError("The engine is not running.")))
+            return
+        self._inbox.put(_Submit(request))
+
+    def cancel(self, request: Request) -> None:
+        request.cancelled = True
+        self._inbox.put(_WAKE)
+
+    def call(self, function: Callable[[LoadedModel], object]) -> concurrent.futures.Future:
+        """Run ``function(model)`` on the engine thread (e.g. to tokenize)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(function, future))
+        return future
+
+    def stop(self, error: ButterError | None = None, *, timeout: float = 30.0) -> None:
+        """End every request with ``error``, free the runtime and join the thread."""
+        if not self._thread.is_alive():
+            return
+        self._inbox.put(_Stop(error or EngineStoppedError("The server is shutting down.")))
+        self._thread.join(timeout)
+
+    def idle(self) -> bool:
+        return not self._active and not self._waiting
+
+    # ---- the engine thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._runtime = self.model.create_runtime(
+                capacity=self.config.capacity,
+                n_sessions=self.config.sessions,
+                max_batch=self.config.max_batch,
+            )
+            self._sessions = [Session(seq_id=i) for i in range(self._runtime.n_sessions)]
+            self._admission = Admission(self._runtime.capacity, self.config.parallel)
+            self.metrics.sessions_total = len(self._sessions)
+            self.metrics.kv_capacity_cells = self._runtime.capacity
+        except BaseException as exc:  # surfaced by start()
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        stop: _Stop | None = None
+        try:
+            while stop is None:
+                stop = self._drain_inbox(block=not self._active)
+                if stop is not None:
+                    break
+                self._reap_cancelled()
+                self._admit()
+                if self._active:
+                    self._step()
+                self._update_gauges()
+        finally:
+            self._shutdown(stop.error if stop else InternalError())
+
+    def _drain_inbox(self, *, block: bool) -> _Stop | None:
+        try:
+            message = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+        while True:
+            if isinstance(message, _Stop):
+                return message
+            self._handle(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return None
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, _Submit):
+            self._accept(message.request)
+        elif isinstance(message, _Call):
+            if message.future.set_running_or_notify_cancel():
+                try:
+                    message.future.set_result(message.function(self.model))
+                except BaseException as exc:
+                    message.future.set_exception(exc)
+
+    def _accept(self, request: Request) -> None:
+        try:
+            if isinstance(request.prompt, str):
+                request.prompt_tokens = self.model.tokenize(
+                    request.prompt, add_special=request.add_special, parse_special=True
+                )
+            else:
+                request.prompt_tokens = list(request.prompt)
+            if not request.prompt_tokens:
+                raise InvalidRequestError("The prompt is empty.", param="messages")
+            request.max_tokens = self._admission.plan(request)
+        except ButterError as error:
+            self.metrics.requests_rejected += 1
+            request.phase = Phase.DONE
+            request.channel.emit(Failed(error))
+            return
+        request.reservation = len(request.prompt_tokens) + request.max_tokens
+        self.metrics.requests_total += 1
+        self.metrics.prompt_tokens += len(request.prompt_tokens)
+        request.channel.emit(Admitted(prompt_tokens=len(request.prompt_tokens)))
+        self._waiting.append(request)
+
+    def _reap_cancelled(self) -> None:
+        if any(r.cancelled for r in self._waiting):
+            for request in [r for r in self._waiting if r.cancelled]:
+                self._waiting.remove(request)
+                self.metrics.cancellations["queued"] += 1
+                request.phase = Phase.DONE
+                request.channel.emit(Finished("cancelled", self._usage(request)))
+        for request in [r for r in self._active if r.cancelled]:
+            self.metrics.cancellations[request.phase.value] += 1
+            self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        admission = self._admission
+        while self._waiting and len(self._active) < self.config.parallel:
+            request = self._waiting[0]
+            idle = [s for s in self._sessions if s.idle]
+            session, reuse = admission.pick_session(
+                idle, request.prompt_tokens, can_rewind=self.model.info.can_rewind
+            )
+            evict = admission.make_room(request, session, self._active, idle)
+            if evict is None:
+                return  # the head waits for capacity; FIFO keeps everyone behind it
+            for victim in evict:
+                self._runtime.forget(victim.seq_id, 0)
+                victim.tokens.clear()
+            self._waiting.popleft()
+            self._install(request, session, reuse)
+
+    def _install(self, request: Request, session: Session, reuse: int) -> None:
+        if len(session.tokens) > reuse:
+            if not self._runtime.forget(session.seq_id, reuse):
+                self._runtime.forget(session.seq_id, 0)
+                reuse = 0
+            del session.tokens[reuse:]
+        session.request = request
+        request.session = session
+        request.cached_tokens = reuse
+        request.next_prefill = reuse
+        request.phase = Phase.PREFILL
+        params = request.params
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        request.sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=seed)
+        request.sampler = self._runtime.new_sampler(request.sampling)
+        request.stops = StopMatcher(params.stop)
+        self.metrics.cached_tokens += reuse
+        self._active.append(request)
+
+    # ---- one model pass ------------------------------------------------------------
+
+    def _plan_batch(self) -> list[tuple[Request, BatchEntry]]:
+        plan: list[tuple[Request, BatchEntry]] = []
+        prefilling: list[Request] = []
+        for request in self._active:
+            if request.phase is Phase.DECODE:
+                entry = BatchEntry(request.session.seq_id, (request.last_token,),
+                                   len(request.session.tokens), True)
+                plan.append((request, entry))
+            else:
+                prefilling.append(request)
+        budget = self._runtime.max_batch - len(plan)
+        if prefilling and budget > 0:
+            limit = self.config.prefill_chunk if plan else self._runtime.max_batch
+            chunk = max(1, min(limit, budget // len(prefilling)))
+            for request in prefilling[:budget]:
+                start = request.next_prefill
+                end = min(start + chunk, len(request.prompt_tokens))
+                entry = BatchEntry(request.session.seq_id, request.prompt_tokens[start:end], start,
+                                   end == len(request.prompt_tokens))
+                plan.append((request, entry))
+        return plan
+
+    def _step(self) -> None:
+        plan = self._plan_batch()
+        if not plan:
+            return
+        if self.fused:
+            outputs = self._decode([entry for _, entry in plan], [r for r, _ in plan])
+            if outputs is None:
+                return
+        else:  # independent bounded sessions: one model pass each
+            outputs = []
+            for request, entry in plan:
+                result = self._decode([entry], [request])
+                if result is None:
+                    return
+                outputs.extend(result)
+        outputs_iter = iter(outputs)
+        decoded = False
+        for request, entry in plan:
+            request.session.tokens.extend(entry.tokens)
+            if request.phase is Phase.PREFILL:
+                request.next_prefill += len(entry.tokens)
+                self.metrics.prefill_chunks += 1
+                self.metrics.prefill_tokens += len(entry.tokens)
+            else:
+                decoded = True
+            if entry.wants_logits:
+                token = self._runtime.sample(request.sampler, next(outputs_iter))
+                self._on_token(request, token)
+        if decoded:
+            self.metrics.decode_steps += 1
+
+    def _decode(self, entries: list[BatchEntry], owners: list[Request]) -> list[int] | None:
+        self.metrics.model_passes += 1
+        try:
+            return self._runtime.decode(entries)
+        except DecodeFailedError as exc:
+            log.error("model pass failed: %s", exc)
+            for request in dict.fromkeys(owners):
+                self._runtime.forget(request.session.seq_id, 0)
+                request.session.tokens.clear()
+                self.metrics.requests_failed += 1
+                self._release(request)
+                request.channel.emit(Failed(InternalError("The model pass failed.")))
+            return None
+
+    def _on_token(self, request: Request, token: int) -> None:
+        request.generated.append(token)
+        request.last_token = token
+        request.phase = Phase.DECODE
+        self.metrics.generated_tokens += 1
+        params = request.params
+        count = len(request.generated)
+        if self.model.is_end_of_generation(token) and not params.ignore_eos:
+            if count > params.min_tokens:
+                self._finish(request, "stop")
+                return
+        text = request.detokenizer.feed(self.model.token_piece(token))
+        if text:
+            safe, hit = request.stops.feed(text)
+            if safe:
+                request.channel.emit(TextDelta(safe))
+            if hit:
+                self._finish(request, "stop", flush=False)
+                return
+        if count >= request.max_tokens:
+            self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str, *, flush: bool = True) -> None:
+        if flush and reason != "cancelled":
+            tail = request.detokenizer.flush()
+            safe, _ = request.stops.feed(tail) if tail else ("", False)
+            safe += request.stops.flush()
+            if safe:
+                request.channel.emit(TextDelta(safe))
+        self._release(request)
+        request.channel.emit(Finished(reason, self._usage(request)))
+
+    def _release(self, request: Request) -> None:
+        if request.sampler is not None:
+            request.sampler.close()
+            request.sampler = None
+        if request.session is not None:
+            request.session.request = None
+            request.session.last_used = time.monotonic()
+        if request in self._active:
+            self._active.remove(request)
+        request.phase = Phase.DONE
+
+    @staticmethod
+    def _usage(request: Request) -> Usage:
+        return Usage(
+            prompt_tokens=len(request.prompt_tokens),
+            completion_tokens=len(request.generated),
+            cached_tokens=request.cached_tokens,
+        )
+
+    def _update_gauges(self) -> None:
+        metrics = self.metrics
+        metrics.active_requests = len(self._active)
+        metrics.queued_requests = len(self._waiting)
+        metrics.sessions_busy = sum(1 for s in self._sessions if not s.idle)
+        metrics.kv_reserved_cells = sum(r.reservation for r in self._active)
+        metrics.kv_used_cells = sum(len(s.tokens) for s in self._sessions)
+
+    def _shutdown(self, error: ButterError) -> None:
+        for request in list(self._waiting) + list(self._active):
+            self._release(request)
+            request.channel.emit(Failed(error))
+        self._waiting.clear()
+        self._drain_calls(error)
+        for session in self._sessions:
+            session.tokens.clear()
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
+        self._update_gauges()
+
+    def _drain_calls(self, error: ButterError) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _Call) and message.future.set_running_or_notify_cancel():
+                message.future.set_exception(error)
+            elif isinstance(message, _Submit):
+                message.request.channel.emit(Failed(error))

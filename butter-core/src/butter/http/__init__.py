@@ -1,0 +1,1 @@
+"""The litestar edge: app factory, routes, SSE framing, the one error mapping."""

@@ -1,0 +1,47 @@
+"""Helpers every route shares: body reading, SSE framing, disconnect watching."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any, AsyncIterator
+
+from litestar import Request
+
+from butter.chat.request import parse_json_body
+from butter.serving import Generation
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    return parse_json_body(await request.body())
+
+
+def sse(data: Any, *, event: str | None = None) -> bytes:
+    """One server-sent event; ``data`` is JSON-encoded unless it is already a string."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                          separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request, generation: Generation) -> AsyncIterator[None]:
+    """Cancel ``generation`` the moment the client closes the connection.
+
+    For non-streaming answers: the body has been read, so the next ASGI message is
+    ``http.disconnect`` (streaming responses get the same from litestar's Stream).
+    """
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                generation.cancel()
+                return
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()

