@@ -50,6 +50,7 @@ class Generation:
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None  # which of the request's stop strings ended it
         self.usage: Usage | None = None
         self._done = False
 
@@ -77,6 +78,7 @@ class Generation:
                 for delta in parser.finish():
                     yield delta
                 self.usage = event.usage
+                self.stop_sequence = event.stop_sequence
                 self.finish_reason = "tool_calls" if parser.tool_calls else event.reason
                 return
             elif isinstance(event, Failed):

@@ -42,6 +42,7 @@ class TextDelta:
 class Finished:
     reason: str  # "stop", "length" or "cancelled"
     usage: Usage
+    stop_sequence: str | None = None  # the client's stop string that ended it, if one did
 
 
 @attrs.frozen

@@ -334,12 +334,13 @@ class Engine:
             if safe:
                 request.channel.emit(TextDelta(safe))
             if hit:
-                self._finish(request, "stop", flush=False)
+                self._finish(request, "stop", flush=False, stop_sequence=request.stops.matched)
                 return
         if count >= request.max_tokens:
             self._finish(request, "length")
 
-    def _finish(self, request: Request, reason: str, *, flush: bool = True) -> None:
+    def _finish(self, request: Request, reason: str, *, flush: bool = True,
+                stop_sequence: str | None = None) -> None:
         if flush and reason != "cancelled":
             tail = request.detokenizer.flush()
             safe, _ = request.stops.feed(tail) if tail else ("", False)
@@ -347,7 +348,7 @@ class Engine:
             if safe:
                 request.channel.emit(TextDelta(safe))
         self._release(request)
-        request.channel.emit(Finished(reason, self._usage(request)))
+        request.channel.emit(Finished(reason, self._usage(request), stop_sequence))
 
     def _release(self, request: Request) -> None:
         if request.sampler is not None:

@@ -28,14 +28,16 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
+        self.matched: str | None = None  # the stop string that ended the text, once found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string was reached)."""
         if not self._stops:
             return text, False
         buffer = self._held + text
-        hit = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=-1)
-        if hit >= 0:
+        hits = [(i, s) for s in self._stops if (i := buffer.find(s)) >= 0]
+        if hits:
+            hit, self.matched = min(hits, key=lambda h: h[0])
             self._held = ""
             return buffer[:hit], True
         keep = self._longest_partial(buffer)
