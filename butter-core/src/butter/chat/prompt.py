@@ -53,7 +53,7 @@ def build_prompt(request: ChatRequest, template: ChatTemplate, *,
         messages = _inline_tools(messages, request.tools)
         tools = None
     elif template.accepts_tools:
-        messages = messages
+        messages = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
     else:
         messages = _inline_history(messages)
     kwargs = dict(request.template_kwargs)

@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve_bench.run(args)
         return show_plugins()
     except ButterError as error:
-        console.print(f"[red]butter: error:[/red] {error.message}", highlight=False)
+        sys.stderr.write(f"butter: error: {error.message}\n")
         return 1
     except KeyboardInterrupt:
         return 130

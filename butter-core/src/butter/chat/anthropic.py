@@ -1,0 +1,379 @@
+"""The Anthropic Messages API in butter's terms: pure translation, no I/O.
+
+``parse_messages_request`` turns a ``POST /v1/messages`` body into the same
+:class:`~butter.chat.request.ChatRequest` the OpenAI route builds: ``system`` becomes
+the first message, ``tool_use`` blocks become assistant ``tool_calls`` and
+``tool_result`` blocks become ``tool`` messages, so prompt building, sessions and
+recovery are shared with ``/v1/chat/completions``.
+
+:class:`MessageBuilder` goes the other way: it turns the recovered deltas into
+content blocks (``thinking``, ``text``, ``tool_use``) and, for a stream, into the
+event sequence ``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``
+per block, ``message_delta``, ``message_stop``.
+
+Usage follows Anthropic's accounting: ``input_tokens`` are the prompt tokens that
+were not read from the cache, ``cache_read_input_tokens`` the ones that were (the
+session's reused prefix); their sum is the whole prompt, as ``count_tokens`` says.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Mapping
+
+import attrs
+
+from butter.chat.recovery import (
+    ContentDelta,
+    Delta,
+    ReasoningDelta,
+    ToolCallArguments,
+    ToolCallStart,
+)
+from butter.chat.request import ChatRequest, ToolChoice, content_text, generation_params
+from butter.engine.events import Usage
+from butter.errors import InvalidRequestError
+
+MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1 (OpenAI's is 0..2)
+
+Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
+
+
+# ---- request ---------------------------------------------------------------------------
+
+
+def parse_messages_request(body: Mapping[str, Any], *, for_count: bool = False) -> ChatRequest:
+    """A ``/v1/messages`` body as a :class:`ChatRequest`.
+
+    ``for_count`` reads a ``/v1/messages/count_tokens`` body, which has no
+    ``max_tokens``. Every problem is an :class:`InvalidRequestError` naming the field.
+    """
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("`model` must be a string.", param="model")
+    if not for_count and body.get("max_tokens") is None:
+        raise InvalidRequestError("`max_tokens` is required.", param="max_tokens")
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+            and temperature > MAX_TEMPERATURE:
+        raise InvalidRequestError(f"`temperature` must be between 0 and {MAX_TEMPERATURE}.",
+                                  param="temperature")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequestError("`stream` must be a boolean.", param="stream")
+    tools = _tools(body.get("tools"))
+    return ChatRequest(
+        messages=[*_system(body.get("system")), *_messages(body.get("messages"))],
+        params=generation_params(body, max_tokens_keys=("max_tokens",),
+                                 stop_key="stop_sequences"),
+        model=model,
+        stream=bool(stream) and not for_count,
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        enable_thinking=_thinking(body.get("thinking")),
+    )
+
+
+def _system(value: Any) -> list[dict[str, Any]]:
+    text = content_text(value, "system")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        raise InvalidRequestError("`messages` is required.", param="messages")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("`messages` must be a non-empty list.", param="messages")
+    out: list[dict[str, Any]] = []
+    for index, item in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(item, dict):
+            raise InvalidRequestError(f"`{where}` must be an object.", param=where)
+        role = item.get("role")
+        content = item.get("content")
+        if role == "user":
+            out += _user_turn(content, where)
+        elif role == "assistant":
+            out.append(_assistant_turn(content, where))
+        else:
+            raise InvalidRequestError(f"`{where}.role` must be `user` or `assistant`.",
+                                      param=f"{where}.role")
+    return out
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    """Message content as a list of blocks; a string is one text block."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"`{where}.content` must be a string or a list of blocks.",
+                                  param=f"{where}.content")
+    for position, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise InvalidRequestError(f"`{where}.content[{position}]` must be a block with a "
+                                      "`type`.", param=f"{where}.content[{position}]")
+    return content
+
+
+def _user_turn(content: Any, where: str) -> list[dict[str, Any]]:
+    """A user turn: its tool results as ``tool`` messages and its text as a user one,
+    in the order the blocks came."""
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+
+    def flush_text() -> None:
+        if text:
+            out.append({"role": "user", "content": "".join(text)})
+            text.clear()
+
+    for position, block in enumerate(_blocks(content, where)):
+        at = f"{where}.content[{position}]"
+        kind = block["type"]
+        if kind == "text":
+            text.append(content_text([block], at))
+        elif kind == "tool_result":
+            flush_text()
+            out.append(_tool_result(block, at))
+        else:
+            raise InvalidRequestError(f"`{at}` is a `{kind}` block; user turns may hold "
+                                      "`text` and `tool_result` blocks.", param=at)
+    flush_text()
+    if not out:  # an empty turn still is a turn
+        out.append({"role": "user", "content": ""})
+    return out
+
+
+def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidRequestError(f"`{where}.tool_use_id` must be a non-empty string.",
+                                  param=f"{where}.tool_use_id")
+    text = content_text(block.get("content"), f"{where}.content")
+    if block.get("is_error") is True:
+        text = f"Error: {text}" if text else "Error"
+    return {"role": "tool", "content": text, "tool_call_id": call_id}
+
+
+def _assistant_turn(content: Any, where: str) -> dict[str, Any]:
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for position, block in enumerate(_blocks(content, where)):
+        at = f"{where}.content[{position}]"
+        kind = block["type"]
+        if kind == "text":
+            text.append(content_text([block], at))
+        elif kind == "tool_use":
+            calls.append(_tool_use(block, at))
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # earlier reasoning is not shown to the model again
+        else:
+            raise InvalidRequestError(f"`{at}` is a `{kind}` block; assistant turns may hold "
+                                      "`text`, `thinking` and `tool_use` blocks.", param=at)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidRequestError(f"`{where}.id` must be a non-empty string.",
+                                  param=f"{where}.id")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"`{where}.name` must be a non-empty string.",
+                                  param=f"{where}.name")
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"`{where}.input` must be an object.", param=f"{where}.input")
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    """Anthropic tools as OpenAI function tools (the shape prompt building expects)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequestError("`tools` must be a list.", param="tools")
+    tools = []
+    for index, tool in enumerate(value):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) \
+                or not tool["name"]:
+            raise InvalidRequestError(f"`{where}` must be a tool with a `name`.", param=where)
+        if tool.get("type") not in (None, "custom") or not isinstance(tool.get("input_schema"),
+                                                                     dict):
+            raise InvalidRequestError(f"`{where}` must be a custom tool with an `input_schema` "
+                                      "object (server tools are not supported).", param=where)
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    if value is None:
+        return ToolChoice()
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("auto", "none"):
+        return ToolChoice(mode=kind)
+    if kind == "any":
+        return ToolChoice(mode="required")
+    if kind == "tool":
+        name = value.get("name")
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+            raise InvalidRequestError("`tool_choice.name` must name one of `tools`.",
+                                      param="tool_choice.name")
+        return ToolChoice(mode="function", name=name)
+    raise InvalidRequestError('`tool_choice` must be {"type": "auto" | "any" | "none"} or '
+                              '{"type": "tool", "name": ...}.', param="tool_choice")
+
+
+def _thinking(value: Any) -> bool | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise InvalidRequestError('`thinking` must be {"type": "enabled" | "disabled"}.',
+                                  param="thinking")
+    return kind != "disabled"
+
+
+# ---- response --------------------------------------------------------------------------
+
+
+def new_message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic spells tool call ids ``toolu_…``; the recovered ones are ``call_…``."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
+    """The engine's finish reason in Anthropic's words."""
+    if finish_reason == "tool_calls":
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    if stop_sequence is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def usage_body(usage: Usage | None) -> dict[str, int]:
+    usage = usage or Usage(0, 0, 0)
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+@attrs.define
+class MessageBuilder:
+    """Collects one answer's deltas into Anthropic content blocks.
+
+    ``add`` returns the stream events each delta causes; a non-streaming route
+    ignores them and reads ``message()`` at the end, so both shapes hold the same
+    blocks. A text or thinking block opens at its first non-blank text: blank text
+    between two blocks (or alone) makes no block.
+    """
+
+    message_id: str
+    model: str
+    blocks: list[dict[str, Any]] = attrs.field(factory=list)
+    _open: bool = False  # the last block still takes deltas
+    _blank: str = ""  # whitespace waiting for a block of kind `_blank_kind` to open
+    _blank_kind: str = ""
+    _arguments: list[str] = attrs.field(factory=list)  # the open tool_use block's JSON
+
+    def start(self, prompt_tokens: int) -> list[Event]:
+        """``message_start``; the cache is not known yet, so all input counts as new."""
+        return [("message_start", {"type": "message_start", "message": self._shell(
+            content=[], stop_reason=None, stop_sequence=None,
+            usage=usage_body(Usage(prompt_tokens, 0, 0)),
+        )})]
+
+    def add(self, delta: Delta) -> list[Event]:
+        if isinstance(delta, ContentDelta):
+            return self._text("text", delta.text)
+        if isinstance(delta, ReasoningDelta):
+            return self._text("thinking", delta.text)
+        if isinstance(delta, ToolCallStart):
+            events = self._close()
+            block = {"type": "tool_use", "id": tool_use_id(delta.id), "name": delta.name,
+                     "input": {}}
+            return events + self._open_block(block)
+        if isinstance(delta, ToolCallArguments):
+            self._arguments.append(delta.fragment)
+            return [self._delta({"type": "input_json_delta", "partial_json": delta.fragment})]
+        raise TypeError(f"not a delta: {delta!r}")
+
+    def finish(self, *, finish_reason: str | None, stop_sequence: str | None,
+               usage: Usage | None) -> list[Event]:
+        """The events that end the stream: the last ``content_block_stop``,
+        ``message_delta`` (with the final usage) and ``message_stop``."""
+        reason = stop_reason(finish_reason, stop_sequence)
+        return [*self._close(), (
+            "message_delta",
+            {"type": "message_delta",
+             "delta": {"stop_reason": reason,
+                       "stop_sequence": stop_sequence if reason == "stop_sequence" else None},
+             "usage": usage_body(usage)},
+        ), ("message_stop", {"type": "message_stop"})]
+
+    def message(self, *, finish_reason: str | None, stop_sequence: str | None,
+                usage: Usage | None) -> dict[str, Any]:
+        """The non-streaming response body."""
+        self._close()
+        reason = stop_reason(finish_reason, stop_sequence)
+        return self._shell(content=self.blocks, stop_reason=reason,
+                           stop_sequence=stop_sequence if reason == "stop_sequence" else None,
+                           usage=usage_body(usage))
+
+    def _shell(self, **fields: Any) -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "role": "assistant",
+                "model": self.model, **fields}
+
+    def _text(self, kind: str, text: str) -> list[Event]:
+        events: list[Event] = []
+        if not (self._open and self.blocks[-1]["type"] == kind):
+            held = self._blank if self._blank_kind == kind else ""
+            if not (held + text).strip():
+                self._blank, self._blank_kind = held + text, kind
+                return []
+            text = held + text
+            block = {"type": "text", "text": ""} if kind == "text" else \
+                {"type": "thinking", "thinking": "", "signature": ""}
+            events = self._close() + self._open_block(block)
+        self.blocks[-1][kind] += text
+        delta_type = "text_delta" if kind == "text" else "thinking_delta"
+        return events + [self._delta({"type": delta_type, kind: text})]
+
+    def _open_block(self, block: dict[str, Any]) -> list[Event]:
+        self.blocks.append(block)
+        self._open = True
+        return [("content_block_start", {"type": "content_block_start",
+                                         "index": len(self.blocks) - 1,
+                                         "content_block": dict(block)})]
+
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return ("content_block_delta", {"type": "content_block_delta",
+                                        "index": len(self.blocks) - 1, "delta": delta})
+
+    def _close(self) -> list[Event]:
+        self._blank = ""
+        if not self._open:
+            return []
+        self._open = False
+        block = self.blocks[-1]
+        if block["type"] == "tool_use":
+            block["input"] = json.loads("".join(self._arguments) or "{}")
+            self._arguments.clear()
+        return [("content_block_stop", {"type": "content_block_stop",
+                                        "index": len(self.blocks) - 1})]
