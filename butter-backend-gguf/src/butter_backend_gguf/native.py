@@ -17,7 +17,7 @@ import llama_cpp as ll
 
 from butter.backend import BatchEntry, DecodeFailedError, ModelInfo, SamplingParams
 from butter.errors import ModelLoadError
-from butter.resolve import GGUF_MAGIC, ResolvedModel
+from butter.resolve import ResolvedModel
 
 log = logging.getLogger("butter.gguf")
 
@@ -52,19 +52,8 @@ def _ensure_backend() -> None:
             _backend_ready = True
 
 
-def _check_header(resolved: ResolvedModel) -> None:
-    try:
-        with open(resolved.path, "rb") as handle:
-            magic = handle.read(4)
-    except OSError as exc:
-        raise ModelLoadError(resolved.model_id, f"cannot read {resolved.path}: {exc.strerror}")
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(resolved.model_id, f"{resolved.path} is not a GGUF file")
-
-
 def load_model(resolved: ResolvedModel, *, threads: int | None) -> "GGUFModel":
     _ensure_backend()
-    _check_header(resolved)
     params = ll.llama_model_default_params()
     _recent_errors.clear()
     handle = ll.llama_model_load_from_file(str(resolved.path).encode(), params)

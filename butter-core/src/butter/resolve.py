@@ -6,7 +6,6 @@ from pathlib import Path
 
 import attrs
 
-GGUF_MAGIC = b"GGUF"
 
 
 @attrs.frozen
