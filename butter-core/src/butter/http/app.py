@@ -5,6 +5,7 @@ from __future__ import annotations
 from litestar import Litestar, MediaType, Response, get
 from litestar.di import Provide
 
+from butter.http.common import Backend
 from butter.http.errors import handle_exception
 from butter.http.openai import chat_completions
 from butter.serving import ServeBackend
@@ -25,12 +26,12 @@ async def health() -> str:
 
 
 @get("/v1/models")
-async def list_models(backend: ServeBackend) -> dict:
+async def list_models(backend: Backend) -> dict:
     return {"object": "list", "data": [backend.model_card()]}
 
 
 @get("/metrics", media_type="text/plain; version=0.0.4")
-async def metrics(backend: ServeBackend) -> Response:
+async def metrics(backend: Backend) -> Response:
     return Response(backend.metrics_text(), media_type="text/plain; version=0.0.4")
 
 

@@ -8,9 +8,13 @@ import json
 from typing import Any, AsyncIterator
 
 from litestar import Request
+from litestar.di import NamedDependency
 
 from butter.chat.request import parse_json_body
-from butter.serving import Generation
+from butter.serving import Generation, ServeBackend
+
+# Handlers receive the serve backend by name (`backend: Backend`).
+Backend = NamedDependency[ServeBackend]
 
 
 async def read_json(request: Request) -> dict[str, Any]:

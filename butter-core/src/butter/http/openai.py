@@ -13,9 +13,9 @@ from butter.chat.recovery import ContentDelta, ReasoningDelta, ToolCallArguments
 from butter.chat.request import parse_chat_completion
 from butter.engine.events import Usage
 from butter.errors import ButterError
-from butter.http.common import cancel_on_disconnect, read_json, sse
+from butter.http.common import Backend, cancel_on_disconnect, read_json, sse
 from butter.http.errors import as_butter_error, openai_body
-from butter.serving import Generation, ServeBackend
+from butter.serving import Generation
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -32,7 +32,7 @@ def usage_body(usage: Usage | None) -> dict[str, Any]:
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request, backend: ServeBackend) -> Response | Stream:
+async def chat_completions(request: Request, backend: Backend) -> Response | Stream:
     chat = parse_chat_completion(await read_json(request))
     generation = await backend.generate(chat)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
