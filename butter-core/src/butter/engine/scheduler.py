@@ -13,6 +13,7 @@ prefill.
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import logging
 import queue
@@ -147,10 +148,14 @@ class Engine:
                 stop = self._drain_inbox(block=not self._active)
                 if stop is not None:
                     break
-                self._reap_cancelled()
-                self._admit()
-                if self._active:
-                    self._step()
+                try:
+                    self._reap_cancelled()
+                    self._admit()
+                    if self._active:
+                        self._step()
+                except Exception:  # a bug must not take the engine down with it
+                    log.exception("engine step failed; failing the active requests")
+                    self._fail(list(self._active))
                 self._update_gauges()
         finally:
             self._shutdown(stop.error if stop else InternalError())
@@ -285,6 +290,7 @@ class Engine:
             for request, entry in plan:
                 result = self._decode([entry], [request])
                 if result is None:
+                    self._fail([r for r, _ in plan if r.phase is not Phase.DONE])
                     return
                 outputs.extend(result)
         outputs_iter = iter(outputs)
@@ -309,13 +315,18 @@ class Engine:
             return self._runtime.decode(entries)
         except DecodeFailedError as exc:
             log.error("model pass failed: %s", exc)
-            for request in dict.fromkeys(owners):
-                self._runtime.forget(request.session.seq_id, 0)
-                request.session.tokens.clear()
-                self.metrics.requests_failed += 1
-                self._release(request)
-                request.channel.emit(Failed(InternalError("The model pass failed.")))
+            self._fail(list(dict.fromkeys(owners)))
             return None
+
+    def _fail(self, requests: list[Request]) -> None:
+        """End ``requests`` with an internal error and drop their (now unknown) KV."""
+        for request in requests:
+            with contextlib.suppress(Exception):
+                self._runtime.forget(request.session.seq_id, 0)
+            request.session.tokens.clear()
+            self.metrics.requests_failed += 1
+            self._release(request)
+            request.channel.emit(Failed(InternalError()))
 
     def _on_token(self, request: Request, token: int) -> None:
         request.generated.append(token)

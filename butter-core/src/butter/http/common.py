@@ -29,12 +29,12 @@ def sse(data: Any, *, event: str | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
-@contextlib.asynccontextmanager
-async def cancel_on_disconnect(request: Request, generation: Generation) -> AsyncIterator[None]:
+def watch_disconnect(request: Request, generation: Generation) -> asyncio.Task:
     """Cancel ``generation`` the moment the client closes the connection.
 
-    For non-streaming answers: the body has been read, so the next ASGI message is
-    ``http.disconnect`` (streaming responses get the same from litestar's Stream).
+    The body has been read, so the next ASGI message is ``http.disconnect``: it comes
+    when the client goes away, or once the response is complete (then cancelling is a
+    no-op). This also covers a stream whose body never started.
     """
 
     async def watch() -> None:
@@ -44,7 +44,13 @@ async def cancel_on_disconnect(request: Request, generation: Generation) -> Asyn
                 generation.cancel()
                 return
 
-    task = asyncio.create_task(watch())
+    return asyncio.create_task(watch())
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request, generation: Generation) -> AsyncIterator[None]:
+    """Watch for a disconnect while the block runs (non-streaming answers)."""
+    task = watch_disconnect(request, generation)
     try:
         yield
     finally:

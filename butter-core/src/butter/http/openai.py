@@ -13,7 +13,7 @@ from butter.chat.recovery import ContentDelta, ReasoningDelta, ToolCallArguments
 from butter.chat.request import parse_chat_completion
 from butter.engine.events import Usage
 from butter.errors import ButterError
-from butter.http.common import Backend, cancel_on_disconnect, read_json, sse
+from butter.http.common import Backend, cancel_on_disconnect, read_json, sse, watch_disconnect
 from butter.http.errors import as_butter_error, openai_body
 from butter.serving import Generation
 
@@ -38,6 +38,7 @@ async def chat_completions(request: Request, backend: Backend) -> Response | Str
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     model_id = backend.model_id
     if chat.stream:
+        watch_disconnect(request, generation)
         chunks = _stream(generation, completion_id, model_id, include_usage=chat.include_usage)
         return Stream(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
     async with cancel_on_disconnect(request, generation):
