@@ -37,7 +37,7 @@ from butter.errors import InvalidRequestError
 
 MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1 (OpenAI's is 0..2)
 
-Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
+StreamEvent = tuple[str, dict[str, Any]]  # (SSE event name, data)
 
 
 # ---- request ---------------------------------------------------------------------------
@@ -264,6 +264,12 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
     return "end_turn"
 
 
+def _stop_fields(finish_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
+    reason = stop_reason(finish_reason, stop_sequence)
+    return {"stop_reason": reason,
+            "stop_sequence": stop_sequence if reason == "stop_sequence" else None}
+
+
 def usage_body(usage: Usage | None) -> dict[str, int]:
     usage = usage or Usage(0, 0, 0)
     return {
@@ -286,20 +292,21 @@ class MessageBuilder:
 
     message_id: str
     model: str
-    blocks: list[dict[str, Any]] = attrs.field(factory=list)
-    _open: bool = False  # the last block still takes deltas
-    _blank: str = ""  # whitespace waiting for a block of kind `_blank_kind` to open
-    _blank_kind: str = ""
-    _arguments: list[str] = attrs.field(factory=list)  # the open tool_use block's JSON
+    blocks: list[dict[str, Any]] = attrs.field(factory=list, init=False)
+    _open: bool = attrs.field(default=False, init=False)  # the last block takes deltas
+    # Whitespace waiting for a block of kind `_blank_kind` to open.
+    _blank: str = attrs.field(default="", init=False)
+    _blank_kind: str = attrs.field(default="", init=False)
+    _arguments: list[str] = attrs.field(factory=list, init=False)  # open tool_use's JSON
 
-    def start(self, prompt_tokens: int) -> list[Event]:
+    def start(self, prompt_tokens: int) -> list[StreamEvent]:
         """``message_start``; the cache is not known yet, so all input counts as new."""
         return [("message_start", {"type": "message_start", "message": self._shell(
             content=[], stop_reason=None, stop_sequence=None,
             usage=usage_body(Usage(prompt_tokens, 0, 0)),
         )})]
 
-    def add(self, delta: Delta) -> list[Event]:
+    def add(self, delta: Delta) -> list[StreamEvent]:
         if isinstance(delta, ContentDelta):
             return self._text("text", delta.text)
         if isinstance(delta, ReasoningDelta):
@@ -315,15 +322,12 @@ class MessageBuilder:
         raise TypeError(f"not a delta: {delta!r}")
 
     def finish(self, *, finish_reason: str | None, stop_sequence: str | None,
-               usage: Usage | None) -> list[Event]:
+               usage: Usage | None) -> list[StreamEvent]:
         """The events that end the stream: the last ``content_block_stop``,
         ``message_delta`` (with the final usage) and ``message_stop``."""
-        reason = stop_reason(finish_reason, stop_sequence)
         return [*self._close(), (
             "message_delta",
-            {"type": "message_delta",
-             "delta": {"stop_reason": reason,
-                       "stop_sequence": stop_sequence if reason == "stop_sequence" else None},
+            {"type": "message_delta", "delta": _stop_fields(finish_reason, stop_sequence),
              "usage": usage_body(usage)},
         ), ("message_stop", {"type": "message_stop"})]
 
@@ -331,42 +335,41 @@ class MessageBuilder:
                 usage: Usage | None) -> dict[str, Any]:
         """The non-streaming response body."""
         self._close()
-        reason = stop_reason(finish_reason, stop_sequence)
-        return self._shell(content=self.blocks, stop_reason=reason,
-                           stop_sequence=stop_sequence if reason == "stop_sequence" else None,
+        return self._shell(content=self.blocks, **_stop_fields(finish_reason, stop_sequence),
                            usage=usage_body(usage))
 
     def _shell(self, **fields: Any) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "role": "assistant",
                 "model": self.model, **fields}
 
-    def _text(self, kind: str, text: str) -> list[Event]:
-        events: list[Event] = []
+    def _text(self, kind: str, text: str) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
         if not (self._open and self.blocks[-1]["type"] == kind):
             held = self._blank if self._blank_kind == kind else ""
             if not (held + text).strip():
                 self._blank, self._blank_kind = held + text, kind
                 return []
             text = held + text
-            block = {"type": "text", "text": ""} if kind == "text" else \
-                {"type": "thinking", "thinking": "", "signature": ""}
+            block = {"type": kind, kind: ""}
+            if kind == "thinking":
+                block["signature"] = ""  # butter's reasoning is not signed
             events = self._close() + self._open_block(block)
         self.blocks[-1][kind] += text
         delta_type = "text_delta" if kind == "text" else "thinking_delta"
         return events + [self._delta({"type": delta_type, kind: text})]
 
-    def _open_block(self, block: dict[str, Any]) -> list[Event]:
+    def _open_block(self, block: dict[str, Any]) -> list[StreamEvent]:
         self.blocks.append(block)
         self._open = True
         return [("content_block_start", {"type": "content_block_start",
                                          "index": len(self.blocks) - 1,
                                          "content_block": dict(block)})]
 
-    def _delta(self, delta: dict[str, Any]) -> Event:
+    def _delta(self, delta: dict[str, Any]) -> StreamEvent:
         return ("content_block_delta", {"type": "content_block_delta",
                                         "index": len(self.blocks) - 1, "delta": delta})
 
-    def _close(self) -> list[Event]:
+    def _close(self) -> list[StreamEvent]:
         self._blank = ""
         if not self._open:
             return []
