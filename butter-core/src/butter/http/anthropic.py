@@ -16,18 +16,19 @@ from litestar.response import Stream
 
 from butter.chat.anthropic import MessageBuilder, new_message_id, parse_messages_request
 from butter.errors import ButterError
-from butter.http.common import cancel_on_disconnect, read_json, sse
+from butter.http.common import Backend, cancel_on_disconnect, read_json, sse, watch_disconnect
 from butter.http.errors import anthropic_body, as_butter_error
 from butter.http.openai import SSE_HEADERS
-from butter.serving import Generation, ServeBackend
+from butter.serving import Generation
 
 
 @post("/v1/messages", status_code=200)
-async def messages(request: Request, backend: ServeBackend) -> Response | Stream:
+async def messages(request: Request, backend: Backend) -> Response | Stream:
     chat = parse_messages_request(await read_json(request))
     generation = await backend.generate(chat)
     message = MessageBuilder(message_id=new_message_id(), model=backend.model_id)
     if chat.stream:
+        watch_disconnect(request, generation)
         return Stream(_events(generation, message), media_type="text/event-stream",
                       headers=SSE_HEADERS)
     async with cancel_on_disconnect(request, generation):
@@ -61,6 +62,6 @@ async def _events(generation: Generation, message: MessageBuilder) -> AsyncItera
 
 
 @post("/v1/messages/count_tokens", status_code=200)
-async def count_tokens(request: Request, backend: ServeBackend) -> dict:
+async def count_tokens(request: Request, backend: Backend) -> dict:
     chat = parse_messages_request(await read_json(request), for_count=True)
     return {"input_tokens": await backend.count_tokens(chat)}
