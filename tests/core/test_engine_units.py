@@ -1,0 +1,87 @@
+"""Admission arithmetic, session choice and text hold-back, without a model."""
+
+import pytest
+
+from butter.engine.admission import DEFAULT_MIN_COMPLETION, Admission, common_prefix
+from butter.engine.events import SyncChannel
+from butter.engine.records import GenerationParams, Request, Session
+from butter.engine.text import Detokenizer, StopMatcher
+from butter.errors import ContextLengthExceededError
+
+
+def request(tokens, max_tokens=None):
+    r = Request(list(tokens), GenerationParams(max_tokens=max_tokens), SyncChannel())
+    r.prompt_tokens = list(tokens)
+    return r
+
+
+def test_budget_explicit_default_and_refusal():
+    admission = Admission(capacity=1000, parallel=4)
+    assert admission.plan(request(range(100), max_tokens=50)) == 50
+    assert admission.plan(request(range(100))) == max(250 - 100, DEFAULT_MIN_COMPLETION)
+    assert admission.plan(request(range(900))) == 100  # never past the context
+    with pytest.raises(ContextLengthExceededError):
+        admission.plan(request(range(990), max_tokens=20))
+    with pytest.raises(ContextLengthExceededError):
+        admission.plan(request(range(1000)))
+
+
+def test_longest_prefix_then_least_recently_used():
+    a = Session(seq_id=0, tokens=[1, 2, 3, 4], last_used=5)
+    b = Session(seq_id=1, tokens=[1, 2, 9], last_used=1)
+    c = Session(seq_id=2, tokens=[], last_used=0)
+    session, reuse = Admission.pick_session([a, b, c], [1, 2, 3, 4, 5], can_rewind=True)
+    assert session is a and reuse == 4
+    session, reuse = Admission.pick_session([a, b, c], [7, 8], can_rewind=True)
+    assert session is c and reuse == 0
+    # The whole prompt cached: one token is left to prefill for fresh logits.
+    session, reuse = Admission.pick_session([a], [1, 2, 3, 4], can_rewind=True)
+    assert reuse == 3
+
+
+def test_state_that_cannot_rewind_is_reused_only_as_a_whole_prefix():
+    a = Session(seq_id=0, tokens=[1, 2, 3], last_used=1)
+    assert Admission.pick_session([a], [1, 2, 3, 4], can_rewind=False) == (a, 3)
+    assert Admission.pick_session([a], [1, 2, 7, 8], can_rewind=False)[1] == 0
+    assert Admission.pick_session([a], [1, 2, 3], can_rewind=False)[1] == 0
+
+
+def test_make_room_evicts_idle_caches_lru_then_waits():
+    admission = Admission(capacity=100, parallel=2)
+    active = request(range(30), max_tokens=30)
+    active.reservation = 60
+    old = Session(seq_id=1, tokens=list(range(20)), last_used=1)
+    new = Session(seq_id=2, tokens=list(range(20)), last_used=2)
+    target = Session(seq_id=3)
+    incoming = request(range(10), max_tokens=10)
+    incoming.reservation = 20
+    assert admission.make_room(incoming, target, [active], [old, new, target]) == [old]
+    incoming.reservation = 41
+    assert admission.make_room(incoming, target, [active], [old, new, target]) is None
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([], [1]) == 0
+
+
+def test_stop_strings_are_held_back_across_chunks():
+    stops = StopMatcher(("END", "##"))
+    assert stops.feed("hello E") == ("hello ", False)
+    assert stops.feed("N") == ("", False)
+    assert stops.feed("D more") == ("", True)
+    other = StopMatcher(("END",))
+    assert other.feed("EN") == ("", False)
+    assert other.feed("x") == ("ENx", False)
+    assert other.flush() == ""
+    tail = StopMatcher(("END",))
+    tail.feed("abcE")
+    assert tail.flush() == "E"
+
+
+def test_detokenizer_waits_for_whole_characters():
+    detok = Detokenizer()
+    data = "é😀".encode()
+    out = "".join(detok.feed(data[i:i + 1]) for i in range(len(data)))
+    assert out + detok.flush() == "é😀"
+    assert Detokenizer().feed(b"\xc3") == ""
