@@ -18,9 +18,10 @@ from typing import Any, Iterator, Sequence
 import attrs
 
 from butter.backend import LoadedModel, ModelInfo
-from butter.chat.prompt import build_prompt
+from butter.chat.answer import AnswerReader
+from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.recovery import ContentDelta, ReasoningDelta, StreamParser, ToolCall
-from butter.chat.request import ChatRequest, _messages, _tools
+from butter.chat.request import DEFAULT_TEMPERATURE, ChatRequest, parse_messages, parse_tools
 from butter.chat.template import ChatTemplate
 from butter.engine.events import Failed, Finished, SyncChannel, TextDelta, Usage
 from butter.engine.records import GenerationParams, Request
@@ -111,16 +112,14 @@ class Model:
         """Generate a whole answer. Options: max_tokens, temperature, top_p, seed, stop, tools."""
         parts: list[str] = []
         reasoning: list[str] = []
+        calls: list[ToolCall] = []
         chunk = StreamChunk()
-        parser_holder: list[StreamParser] = []
-        for chunk in self._stream(messages_or_prompt, options, parser_holder):
+        for chunk in self._stream(messages_or_prompt, options, calls):
             parts.append(chunk.text)
             reasoning.append(chunk.reasoning)
-        parser = parser_holder[0]
-        calls = tuple(parser.tool_calls)
         return GenerationResult(
             text="".join(parts), finish_reason=chunk.finish_reason or "stop", usage=chunk.usage,
-            reasoning="".join(reasoning) or None, tool_calls=calls,
+            reasoning="".join(reasoning) or None, tool_calls=tuple(calls),
         )
 
     def generate_stream(self, messages_or_prompt: str | Sequence[dict[str, Any]],
@@ -128,45 +127,46 @@ class Model:
         """Yield :class:`StreamChunk` objects as text arrives; the last has the finish reason."""
         return self._stream(messages_or_prompt, options, [])
 
+    def _reader(self, messages_or_prompt, options: dict[str, Any],
+                params: GenerationParams) -> tuple[str, AnswerReader]:
+        """The prompt text and how to read the answer: raw completion or chat."""
+        if isinstance(messages_or_prompt, str) and not options.get("chat", False):
+            plan = PromptPlan(text=messages_or_prompt, parse_tools=False, think_open=False)
+            return plan.text, AnswerReader(StreamParser(parse_think=False), plan)
+        messages = ([{"role": "user", "content": messages_or_prompt}]
+                    if isinstance(messages_or_prompt, str) else messages_or_prompt)
+        chat = ChatRequest(messages=parse_messages(list(messages)), params=params,
+                           tools=parse_tools(options.get("tools")))
+        plan = build_prompt(chat, self.template)
+        return plan.text, AnswerReader.for_plan(plan, tools=chat.tools, formats=self.tool_formats)
+
     def _stream(self, messages_or_prompt, options: dict[str, Any],
-                parser_holder: list[StreamParser]) -> Iterator[StreamChunk]:
+                calls: list[ToolCall]) -> Iterator[StreamChunk]:
+        stop = options.get("stop") or ()
         params = GenerationParams(
             max_tokens=options.get("max_tokens"),
-            temperature=float(options.get("temperature", 0.8)),
+            temperature=float(options.get("temperature", DEFAULT_TEMPERATURE)),
             top_p=float(options.get("top_p", 1.0)),
             seed=options.get("seed"),
-            stop=tuple([options["stop"]] if isinstance(options.get("stop"), str)
-                       else options.get("stop") or ()),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
         )
-        if isinstance(messages_or_prompt, str) and not options.get("chat", False):
-            prompt, parser = messages_or_prompt, StreamParser(parse_think=False)
-            prefix = ""
-        else:
-            messages = ([{"role": "user", "content": messages_or_prompt}]
-                        if isinstance(messages_or_prompt, str) else messages_or_prompt)
-            chat = ChatRequest(messages=_messages(list(messages)), params=params,
-                               tools=_tools(options.get("tools")))
-            plan = build_prompt(chat, self.template)
-            prompt, prefix = plan.text, plan.answer_prefix
-            parser = StreamParser(tools=chat.tools, parse_tools=plan.parse_tools,
-                                  think_open=plan.think_open, formats=self.tool_formats)
-        parser_holder.append(parser)
+        prompt, reader = self._reader(messages_or_prompt, options, params)
         channel = SyncChannel()
         request = Request(prompt, params, channel, add_special=self.adds_bos(prompt))
         engine = self.engine
         engine.submit(request)
         finished = False
         try:
-            texts = parser.feed(prefix) if prefix else []
-            yield from _chunks(texts)
+            yield from _chunks(reader.start())
             while True:
                 event = channel.get()
                 if isinstance(event, TextDelta):
-                    yield from _chunks(parser.feed(event.text))
+                    yield from _chunks(reader.feed(event.text))
                 elif isinstance(event, Finished):
                     finished = True
-                    yield from _chunks(parser.finish())
-                    reason = "tool_calls" if parser.tool_calls else event.reason
+                    yield from _chunks(reader.finish())
+                    calls.extend(reader.tool_calls)
+                    reason = "tool_calls" if reader.tool_calls else event.reason
                     yield StreamChunk(finish_reason=reason, usage=event.usage)
                     return
                 elif isinstance(event, Failed):

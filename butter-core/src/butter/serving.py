@@ -13,7 +13,8 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, runtime_checkable
 
 from butter.chat.prompt import PromptPlan, build_prompt
-from butter.chat.recovery import Delta, StreamParser, ToolCall
+from butter.chat.answer import AnswerReader
+from butter.chat.recovery import Delta, ToolCall
 from butter.chat.request import ChatRequest
 from butter.engine.events import Admitted, AsyncChannel, Failed, Finished, TextDelta, Usage
 from butter.engine.records import Request
@@ -40,12 +41,11 @@ class Generation:
     """
 
     def __init__(self, backend: "ButterServeBackend", request: Request, channel: AsyncChannel,
-                 parser: StreamParser, plan: PromptPlan) -> None:
+                 reader: AnswerReader) -> None:
         self._backend = backend
         self._request = request
         self._channel = channel
-        self._parser = parser
-        self.plan = plan
+        self._reader = reader
         self.id = request.id
         self.created = int(time.time())
         self.prompt_tokens = 0
@@ -64,22 +64,21 @@ class Generation:
         self.prompt_tokens = event.prompt_tokens
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        parser = self._parser
-        if self.plan.answer_prefix:
-            for delta in parser.feed(self.plan.answer_prefix):
-                yield delta
+        reader = self._reader
+        for delta in reader.start():
+            yield delta
         while True:
             event = await self._channel.get()
             if isinstance(event, TextDelta):
-                for delta in parser.feed(event.text):
+                for delta in reader.feed(event.text):
                     yield delta
             elif isinstance(event, Finished):
                 self._done = True
-                for delta in parser.finish():
+                for delta in reader.finish():
                     yield delta
                 self.usage = event.usage
                 self.stop_sequence = event.stop_sequence
-                self.finish_reason = "tool_calls" if parser.tool_calls else event.reason
+                self.finish_reason = "tool_calls" if reader.tool_calls else event.reason
                 return
             elif isinstance(event, Failed):
                 self._done = True
@@ -87,7 +86,7 @@ class Generation:
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        return self._parser.tool_calls
+        return self._reader.tool_calls
 
     def cancel(self) -> None:
         if not self._done:
@@ -158,12 +157,11 @@ class ButterServeBackend:
 
     async def generate(self, request: ChatRequest) -> Generation:
         plan = self.plan(request)
-        parser = StreamParser(tools=request.tools, parse_tools=plan.parse_tools,
-                              think_open=plan.think_open, formats=self.model.tool_formats)
+        reader = AnswerReader.for_plan(plan, tools=request.tools, formats=self.model.tool_formats)
         channel = AsyncChannel()
         engine_request = Request(plan.text, request.params, channel,
                                  add_special=self.model.adds_bos(plan.text))
-        generation = Generation(self, engine_request, channel, parser, plan)
+        generation = Generation(self, engine_request, channel, reader)
         self.engine.submit(engine_request)
         try:
             await generation.admitted()

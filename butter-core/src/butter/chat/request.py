@@ -157,13 +157,13 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
                                   param="reasoning_effort")
     thinking = kwargs.get("enable_thinking")
     return ChatRequest(
-        messages=_messages(body.get("messages")),
+        messages=parse_messages(body.get("messages")),
         params=generation_params(body, max_tokens_keys=("max_completion_tokens", "max_tokens"),
                                  stop_key="stop"),
         model=model,
         stream=stream,
         include_usage=bool(stream_options.get("include_usage")),
-        tools=_tools(body.get("tools")),
+        tools=parse_tools(body.get("tools")),
         tool_choice=_tool_choice(body.get("tool_choice")),
         template_kwargs=kwargs,
         enable_thinking=thinking if isinstance(thinking, bool) else None,
@@ -171,7 +171,7 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
     )
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def parse_messages(value: Any) -> list[dict[str, Any]]:
     if value is None:
         raise InvalidRequestError("`messages` is required.", param="messages")
     if not isinstance(value, list) or not value:
@@ -241,7 +241,7 @@ def _history_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _tools(value: Any) -> list[dict[str, Any]]:
+def parse_tools(value: Any) -> list[dict[str, Any]]:
     if value is None:
         return []
     if not isinstance(value, list):
