@@ -244,6 +244,46 @@ def test_malformed_block_then_valid_call() -> None:
     )
 
 
+BROKEN_THEN_VALID = [
+    pytest.param(
+        '<tool_call>{"name": "a", "arguments": {'
+        '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": {', [("b", {"x": 1})], id="json",
+    ),
+    pytest.param(
+        'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": \n'
+        f"{WEATHER_JSON}\nDone.",
+        'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": \n\nDone.', [PARIS],
+        id="json-text-around",
+    ),
+    pytest.param(
+        '<tool_call>{"name": "a", "arguments": {<tool_call>{"name": "a"'
+        f"<tool_call>{{oops}}{WEATHER_JSON}",
+        '<tool_call>{"name": "a", "arguments": {<tool_call>{"name": "a"<tool_call>{oops}',
+        [PARIS], id="json-several-broken",
+    ),
+    pytest.param(
+        f'<tool_call>{{"name": "a", "arguments": {{{WEATHER_BARE}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": {</tool_call>',
+        [("get_weather", {"city": "Lyon"})], id="json-then-bare-xml",
+    ),
+    pytest.param(
+        "<tool_call>\n<function=a>\nbad\n<tool_call>\n<function=b>\n<parameter=y>\n2\n"
+        "</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=a>\nbad", [("b", {"y": "2"})], id="xml-wrapped",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), BROKEN_THEN_VALID)
+def test_unclosed_block_does_not_swallow_the_next_call(
+    text: str, content: str, calls: list[tuple[str, Any]]
+) -> None:
+    """A block that never closes is closed by the next call's close tag; the broken
+    opening is content and the call after it is still recovered."""
+    assert_recovers(text, content=content, calls=calls, markup_free=False, **ON)
+
+
 def test_xml_values_are_typed_by_schema() -> None:
     values = {
         "count": "7", "ratio": "2.5", "whole": "3", "flag": "True", "off": "false", "one": "1",

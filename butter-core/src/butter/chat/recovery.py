@@ -286,18 +286,30 @@ class StreamParser:
                     self._buffer = block[end:]
                     self._mode = _Mode.TEXT
                     return True
+                end = self._inner_tag(block, end)
             self._rejected_end = max(self._rejected_end, end)
         self._candidates = waiting
         if waiting:
             return False
-        # No format takes it: the markup is text. A malformed block goes out whole;
-        # a rejected or unclosed one gives up only its open tag, and the rest is
-        # scanned again.
+        # No format takes it: the markup is text. A malformed block goes out whole, up
+        # to the first open tag inside it; a rejected or unclosed one gives up only its
+        # open tag. The rest is scanned again.
         end = max(self._rejected_end, len(self._block_tag))
         self._emit(out, ContentDelta, self._content.push(block[:end]))
         self._buffer = block[end:]
         self._mode = _Mode.TEXT
         return True
+
+    def _inner_tag(self, block: str, end: int) -> int:
+        """Where the first tool-call open tag inside ``block[:end]`` starts, after the
+        block's own; ``end`` when there is none.
+
+        A block left unclosed (a call cut short, then a fresh one) is closed by the next
+        call's close tag; the text from the inner tag on may still hold that call.
+        """
+        starts = [block.find(tag, len(self._block_tag), end) for tag in self._tags
+                  if tag != THINK_OPEN]
+        return min((start for start in starts if start >= 0), default=end)
 
     def _emit_calls(self, out: list[Delta], calls: list[tuple[str, str]]) -> None:
         self._content.markup()
