@@ -96,9 +96,6 @@ def test_models_own_call_without_prefix() -> None:
     assert content == "Sure."
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "AnswerReader strips the forced opening only from finish()'s deltas; when the model "
-    "writes prose after it, the parser gives '<tool_call>' up as content during feed()"))
 def test_forced_opening_followed_by_prose_is_not_content() -> None:
     content, calls = read(REQUIRED, ["I cannot call a tool for that."])
     assert calls == []

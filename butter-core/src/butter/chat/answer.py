@@ -8,13 +8,15 @@ text the prompt wrote on the model's behalf (a forced ``<tool_call>`` opening).
 from __future__ import annotations
 
 from butter.chat.prompt import PromptPlan
-from butter.chat.recovery import ContentDelta, Delta, StreamParser, ToolCall
+from butter.chat.recovery import ContentDelta, Delta, StreamParser, ToolCall, ToolCallStart
 
 
 class AnswerReader:
     def __init__(self, parser: StreamParser, plan: PromptPlan) -> None:
         self._parser = parser
         self._prefix = plan.answer_prefix
+        self._opening = plan.answer_prefix.strip()
+        self._unshown = self._opening  # what of the forced opening may still surface
 
     @classmethod
     def for_plan(cls, plan: PromptPlan, *, tools, formats) -> "AnswerReader":
@@ -23,36 +25,40 @@ class AnswerReader:
         return cls(parser, plan)
 
     def start(self) -> list[Delta]:
-        return self._parser.feed(self._prefix) if self._prefix else []
+        return self._filter(self._parser.feed(self._prefix)) if self._prefix else []
 
     def feed(self, text: str) -> list[Delta]:
-        return self._parser.feed(text)
+        return self._filter(self._parser.feed(text))
 
     def finish(self) -> list[Delta]:
-        deltas = self._parser.finish()
-        if self._prefix and not self._parser.tool_calls:
-            # A forced call the model never closed (e.g. cut by max_tokens): the opening
-            # was ours, not the model's, so it is not shown as content.
-            deltas = _strip_leading(deltas, self._prefix)
-        return deltas
+        return self._filter(self._parser.finish())
+
+    def _filter(self, deltas: list[Delta]) -> list[Delta]:
+        """Hide the forced opening when the parser gives it up as content.
+
+        That happens when the model did not write a call after all (prose, malformed
+        JSON, or cut by max_tokens): the opening was ours, not the model's.
+        """
+        if not self._unshown:
+            return deltas
+        out: list[Delta] = []
+        for delta in deltas:
+            if self._unshown and isinstance(delta, ContentDelta):
+                text = delta.text.lstrip() if self._unshown == self._opening else delta.text
+                if text.startswith(self._unshown):
+                    text, self._unshown = text[len(self._unshown):].lstrip(), ""
+                elif self._unshown.startswith(text):
+                    text, self._unshown = "", self._unshown[len(text):]
+                else:
+                    self._unshown = ""
+                if text:
+                    out.append(ContentDelta(text))
+                continue
+            if isinstance(delta, ToolCallStart):
+                self._unshown = ""  # the model did write the call
+            out.append(delta)
+        return out
 
     @property
     def tool_calls(self) -> list[ToolCall]:
         return self._parser.tool_calls
-
-
-def _strip_leading(deltas: list[Delta], prefix: str) -> list[Delta]:
-    out: list[Delta] = []
-    stripped = False
-    for delta in deltas:
-        if not stripped and isinstance(delta, ContentDelta):
-            stripped = True
-            text = delta.text.lstrip()
-            opening = prefix.strip()
-            if text.startswith(opening):
-                text = text[len(opening):].lstrip()
-            if text:
-                out.append(ContentDelta(text))
-            continue
-        out.append(delta)
-    return out

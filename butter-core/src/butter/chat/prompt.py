@@ -65,7 +65,8 @@ def build_prompt(request: ChatRequest, template: ChatTemplate, *,
         kwargs["reasoning_effort"] = effort
     text = template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
     think_open = text.rstrip().endswith(THINK_OPEN)
-    prefix = _forced_opening(request) if use_tools else ""
+    # A template that opened a think block lets the model think first: no forced opening.
+    prefix = _forced_opening(request) if use_tools and not think_open else ""
     return PromptPlan(text=text + prefix, parse_tools=use_tools, think_open=think_open,
                       answer_prefix=prefix)
 
