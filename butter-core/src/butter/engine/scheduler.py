@@ -145,7 +145,8 @@ class Engine:
         stop: _Stop | None = None
         try:
             while stop is None:
-                stop = self._drain_inbox(block=not self._active)
+                # Sleep only when there is nothing to run and nobody to admit.
+                stop = self._drain_inbox(block=not self._active and not self._waiting)
                 if stop is not None:
                     break
                 try:
@@ -227,6 +228,10 @@ class Engine:
             )
             evict = admission.make_room(request, session, self._active, idle)
             if evict is None:
+                if not self._active:  # cannot happen after plan(); never spin on it
+                    self._waiting.popleft()
+                    request.channel.emit(Failed(InternalError("No session could hold it.")))
+                    continue
                 return  # the head waits for capacity; FIFO keeps everyone behind it
             for victim in evict:
                 self._runtime.forget(victim.seq_id, 0)
