@@ -66,7 +66,7 @@ def test_the_resident_id_never_reloads(start_server, model_path):
 def test_swap_aborts_streams_and_queued_requests_promptly(start_server, model_copy):
     server = start_server("--parallel", "1")
     long_body = {"model": "smollm2", "messages": [{"role": "user", "content": "Tell a story."}],
-                 "max_tokens": 3000, "ignore_eos": True, "stream": True}
+                 "max_tokens": 1500, "ignore_eos": True, "stream": True}
     events: list[str] = []
     started = threading.Event()
 
@@ -87,8 +87,10 @@ def test_swap_aborts_streams_and_queued_requests_promptly(start_server, model_co
         streaming = pool.submit(long_stream)
         assert started.wait(60)
         waiting = [pool.submit(queued) for _ in range(2)]
-        time.sleep(0.5)
-        assert server.metrics()["butter_queued_requests"] == 2
+        deadline = time.monotonic() + 30
+        while server.metrics()["butter_queued_requests"] < 2:
+            assert time.monotonic() < deadline, "the two requests never queued"
+            time.sleep(0.05)
         begun = time.monotonic()
         swapped = httpx.post(f"{server.base_url}/chat/completions", timeout=120, json={
             "model": str(model_copy), "messages": QUESTION, "max_tokens": 8, "temperature": 0})
