@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from butter.chat.prompt import PromptPlan, build_prompt
-from butter.chat.recovery import StreamParser
+from butter.chat.answer import AnswerReader
 from butter.chat.request import ChatRequest
 from butter.chat.template import ChatTemplate
 from butter.engine.events import Admitted, AsyncChannel, Failed, Finished, TextDelta, Usage
@@ -105,9 +105,8 @@ class ScriptedBackend:
         reply = self._replies.pop(0)
         channel = AsyncChannel(asyncio.get_running_loop())
         engine_request = Request(plan.text, request.params, channel)
-        parser = StreamParser(tools=request.tools, parse_tools=plan.parse_tools,
-                              think_open=plan.think_open)
-        generation = Generation(self, engine_request, channel, parser, plan)
+        reader = AnswerReader.for_plan(plan, tools=request.tools, formats=None)
+        generation = Generation(self, engine_request, channel, reader)
         for event in self._events(reply, request, len(self.tokenizer.tokenize(plan.text))):
             channel.emit(event)
         await generation.admitted()
