@@ -153,7 +153,8 @@ def running_server(plan: ServerPlan, log_dir: Path) -> Iterator[str]:
     port = free_port()
     log = log_dir / f"{plan.name}-{port}.log"
     command = plan.command(port)
-    console.print(f"[dim]starting {plan.name}: {' '.join(command)}[/dim]")
+    load = os.getloadavg()[0]  # other work on a 2-core box swamps any difference
+    console.print(f"[dim]starting {plan.name} (load {load:.2f}): {' '.join(command)}[/dim]")
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)

@@ -1,8 +1,11 @@
 """Aggregate throughput under concurrency: butter vs llama-server, 8 slots each.
 
-For each server in turn (never both at once) it starts butter ``--parallel 8`` or
-llama-server ``-np 8`` (each slot ``--slot-context`` tokens), sends one warm-up
-request, then runs ``butter serve-bench``'s code against it:
+Work is cut into blocks: one per concurrency level plus the mixed level. For each
+block it starts butter ``--parallel 8``, sends one warm-up request, runs the block
+with ``butter serve-bench``'s code and stops it, then does the same with
+llama-server ``-np 8`` (never both at once; each has 8 x ``--slot-context`` KV
+positions); the side that goes first alternates from block to block, so load that
+drifts on a shared machine lands on both sides. The blocks:
 
 * a sweep of synchronized waves at concurrency 1, 2, 4, 8, every request exactly
   ``--max-tokens`` completion tokens: wall-clock and post-TTFT completion tok/s;
@@ -12,7 +15,8 @@ request, then runs ``butter serve-bench``'s code against it:
   everyone else.
 
 Ratios are butter/peer: above 1 is better for tok/s, below 1 is better for TTFT.
-With ``--rounds`` > 1 the servers alternate (AB, BA, ...) and figures are medians.
+With ``--rounds`` > 1 every block runs again and the figures are medians. The JSON
+keeps every level with the 1-minute load average seen when it ended.
 
     /work/venv/bin/python bench/concurrency.py [--waves 3] [--json out.json]
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 from common import (MODEL_ID, Row, ServerPlan, add_common_arguments, console, log_dir,
@@ -44,6 +49,7 @@ SENTENCES = (
     "Surveyors mapped the coastline again after the cliffs collapsed into the sea.",
 )
 CHARS_PER_TOKEN = 4.3
+MIXED = "mixed"
 
 
 def long_text(tokens: int) -> str:
@@ -58,64 +64,65 @@ def long_text(tokens: int) -> str:
 
 def bench_config(url: str, args: argparse.Namespace, **overrides) -> serve_bench.BenchConfig:
     settings = {"model": MODEL_ID, "url": url, "max_tokens": args.max_tokens,
-                "waves": args.waves, "concurrency": tuple(args.levels)} | overrides
+                "waves": args.waves} | overrides
     return serve_bench.BenchConfig(**settings)
 
 
-async def bench_server(url: str, args: argparse.Namespace) -> dict:
-    """Warm-up, the sweep and the mixed level against one running server."""
+def block_config(block: str, url: str, args: argparse.Namespace) -> serve_bench.BenchConfig:
+    """A sweep level (``"4"``) or the mixed level (``"mixed"``) as a serve-bench config."""
+    if block == MIXED:
+        return bench_config(url, args, concurrency=(args.mixed_lanes,), long_prompt_lanes=1,
+                            long_prompt=long_text(args.long_tokens))
+    return bench_config(url, args, concurrency=(int(block),))
+
+
+async def bench_block(block: str, url: str, args: argparse.Namespace) -> dict:
+    """Warm-up, then one block's serve-bench level against a running server."""
     if MODEL_ID not in await serve_bench.resident_models(url):
         raise SystemExit(f"{url} does not serve {MODEL_ID!r}")
     await serve_bench.run_bench(bench_config(url, args, concurrency=(1,), max_tokens=8,
                                              waves=1))
-    sweep = await serve_bench.run_bench(bench_config(url, args))
-    mixed = await serve_bench.run_bench(bench_config(
-        url, args, concurrency=(args.mixed_lanes,), long_prompt=long_text(args.long_tokens),
-        long_prompt_lanes=1))
-    for report in (sweep, mixed):
-        serve_bench.print_report(report, console)
-    return {"sweep": sweep.to_dict(), "mixed": mixed.to_dict()}
+    report = await serve_bench.run_bench(block_config(block, url, args))
+    serve_bench.print_report(report, console)
+    level = report.to_dict()["levels"][0]
+    return level | {"ok": report.ok, "load_average_1m": os.getloadavg()[0]}
 
 
-def run_side(name: str, args: argparse.Namespace, logs: Path) -> dict:
+def run_block(name: str, block: str, args: argparse.Namespace, logs: Path) -> dict:
     plan = ServerPlan(name=name, parallel=args.parallel, slot_context=args.slot_context,
                       threads=args.threads, llama_server=args.llama_server)
     with running_server(plan, logs) as url:
-        return asyncio.run(bench_server(url, args))
+        return asyncio.run(bench_block(block, url, args))
 
 
-def _figure(runs: list[dict], part: str, key: str, level: int | None = None) -> float | None:
-    values = []
-    for run in runs:
-        for summary in run[part]["levels"]:
-            if (level is None or summary["concurrency"] == level) and summary[key] is not None:
-                values.append(summary[key])
+def _figure(levels: list[dict], key: str) -> float | None:
+    values = [level[key] for level in levels if level[key] is not None]
     return median(values) if values else None
 
 
-def build_rows(results: dict[str, list[dict]], levels: list[int]) -> list[Row]:
-    def row(metric: str, part: str, key: str, level: int | None = None, *,
-            scale: float = 1.0, higher: bool = True) -> Row:
-        butter, peer = (_figure(results[name], part, key, level) for name in ("butter", "peer"))
-        return Row(metric, None if butter is None else butter * scale,
-                   None if peer is None else peer * scale, higher_is_better=higher)
+def build_rows(results: dict[str, dict[str, list[dict]]], levels: list[int]) -> list[Row]:
+    def row(metric: str, block: str, key: str, *, scale: float = 1.0,
+            higher: bool = True) -> Row:
+        figures = [_figure(results[name].get(block, []), key) for name in ("butter", "peer")]
+        butter, peer = (None if f is None else f * scale for f in figures)
+        return Row(metric, butter, peer, higher_is_better=higher)
 
     rows = []
     for level in levels:
-        rows.append(row(f"completion tok/s @{level}", "sweep", "completion_tok_s", level))
-        rows.append(row(f"post-TTFT tok/s @{level}", "sweep", "post_ttft_tok_s", level))
-    rows.append(row("mixed: short TTFT p95 ms", "mixed", "ttft_p95_short", scale=1000,
+        rows.append(row(f"completion tok/s @{level}", str(level), "completion_tok_s"))
+        rows.append(row(f"post-TTFT tok/s @{level}", str(level), "post_ttft_tok_s"))
+    rows.append(row("mixed: short TTFT p95 ms", MIXED, "ttft_p95_short", scale=1000,
                     higher=False))
-    rows.append(row("mixed: long TTFT p95 ms", "mixed", "ttft_p95_long", scale=1000,
+    rows.append(row("mixed: long TTFT p95 ms", MIXED, "ttft_p95_long", scale=1000,
                     higher=False))
-    rows.append(row("mixed: completion tok/s", "mixed", "completion_tok_s"))
+    rows.append(row("mixed: completion tok/s", MIXED, "completion_tok_s"))
     return rows
 
 
-def clean(results: dict[str, list[dict]]) -> bool:
+def clean(results: dict[str, dict[str, list[dict]]]) -> bool:
     """No failed request, leaked marker or invalid UTF-8 on either side."""
-    return all(run[part]["ok"] for runs in results.values() for run in runs
-               for part in ("sweep", "mixed"))
+    return all(level["ok"] for blocks in results.values() for levels in blocks.values()
+               for level in levels)
 
 
 def main() -> int:
@@ -131,10 +138,14 @@ def main() -> int:
     add_common_arguments(parser)
     args = parser.parse_args()
     logs = log_dir(args)
-    results: dict[str, list[dict]] = {"butter": [], "peer": []}
-    for round_index in range(args.rounds):
-        for name in server_order(args, round_index):
-            results[name].append(run_side(name, args, logs))
+    blocks = [str(level) for level in args.levels] + [MIXED]
+    results: dict[str, dict[str, list[dict]]] = {"butter": {}, "peer": {}}
+    step = 0
+    for _ in range(args.rounds):
+        for block in blocks:
+            for name in server_order(args, step):
+                results[name].setdefault(block, []).append(run_block(name, block, args, logs))
+            step += 1
     rows = build_rows(results, args.levels)
     print_rows(f"concurrency, {args.max_tokens} tokens/request, {args.waves} waves/level", rows)
     if not clean(results):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 from common import (MODEL_ID, Row, ServerPlan, add_common_arguments, console, log_dir,
@@ -55,6 +56,7 @@ async def timed_request(url: str, max_tokens: int) -> dict:
         "ttft_s": (record.first_output or record.finished) - record.started,
         "decode_tok_s": (tokens - 1) / decode_span if decode_span > 0 else None,
         "e2e_tok_s": tokens / (record.finished - record.started),
+        "load_average_1m": os.getloadavg()[0],
     }
 
 

@@ -393,14 +393,15 @@ def _count_request(summary: LevelSummary, request: LaneRequest, record: StreamRe
     summary.uncached_tokens += prompt - cached
     summary.completion_tokens += completion
     summary.empty_responses += not record.text
-    leaked = [m for m in markers - {request.marker} if m in record.text]
-    problems = ([f"leaked {leaked[0]}"] if leaked else []) + (
-        [f"invalid UTF-8 in {_invalid_excerpt(record.text)!r}"] if not record.valid_utf8 else [])
+    leaked = [marker for marker in markers - {request.marker} if marker in record.text]
     summary.marker_leaks += bool(leaked)
     summary.invalid_utf8 += not record.valid_utf8
+    problems = [f"leaked {marker}" for marker in leaked[:1]]
+    if not record.valid_utf8:
+        problems.append(f"invalid UTF-8 in {_invalid_excerpt(record.text)!r}")
     if problems and len(summary.problem_samples) < 3:
-        summary.problem_samples.append(f"lane {request.lane} wave {request.wave}: "
-                                       + "; ".join(problems))
+        where = f"lane {request.lane} wave {request.wave}"
+        summary.problem_samples.append(f"{where}: {'; '.join(problems)}")
 
 
 def _invalid_excerpt(text: str) -> str:
