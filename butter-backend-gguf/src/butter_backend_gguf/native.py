@@ -23,6 +23,8 @@ log = logging.getLogger("butter.gguf")
 
 # llama_decode return codes (llama.h).
 DECODE_OUTCOMES = {1: "no KV slot for the batch", 2: "aborted", -1: "invalid batch"}
+# ggml-cpu's flash attention is tiled from GGML_FA_TILE_Q (64) query rows up.
+FA_ROW_BY_ROW_MAX_ROWS = 63
 # ggml_log_level (ggml.h).
 LOG_WARN, LOG_ERROR = 3, 4
 
@@ -219,7 +221,11 @@ class GGUFRuntime:
         params = ll.llama_context_default_params()
         params.n_ctx = capacity
         params.n_batch = max_batch
-        params.n_ubatch = max_batch
+        # Same answer batched or alone: llama.cpp's CPU flash attention takes a row-by-row
+        # path that only reads a session's own KV cells, in cell order, for micro-batches
+        # of 2..63 rows; at 64 rows and more every row of the pass goes through a tiled
+        # kernel whose sums depend on where other sessions' cells sit.
+        params.n_ubatch = min(max_batch, FA_ROW_BY_ROW_MAX_ROWS)
         params.n_seq_max = n_sessions
         params.n_threads = model.threads
         params.n_threads_batch = model.threads
