@@ -65,14 +65,58 @@ class AsyncChannel:
         self._loop = loop or asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
     def emit(self, event: Event) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        _call_in_loop(self._loop, self._queue.put_nowait, event)
+
+    def put_nowait(self, event: Event) -> None:
+        """Deliver from inside the channel's own loop."""
+        self._queue.put_nowait(event)
 
     async def get(self) -> Event:
         return await self._queue.get()
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, function, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(function, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def _deliver(batch: list[tuple[AsyncChannel, Event]]) -> None:
+    for channel, event in batch:
+        channel.put_nowait(event)
+
+
+class Outbox:
+    """Events of one engine step, handed to each event loop in one wake-up.
+
+    A step produces a token for every decoding session; waking the HTTP loop once per
+    step instead of once per token leaves the cores to the model.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Channel, Event]] = []
+
+    def put(self, channel: Channel, event: Event) -> None:
+        self._pending.append((channel, event))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AsyncChannel, Event]]] = {}
+        for channel, event in pending:
+            if isinstance(channel, AsyncChannel):
+                by_loop.setdefault(channel.loop, []).append((channel, event))
+            else:
+                channel.emit(event)
+        for loop, batch in by_loop.items():
+            _call_in_loop(loop, _deliver, batch)
 
 
 class SyncChannel:

@@ -26,7 +26,7 @@ import attrs
 
 from butter.backend import BatchEntry, DecodeFailedError, LoadedModel, Runtime, SamplingParams
 from butter.engine.admission import Admission
-from butter.engine.events import Admitted, Failed, Finished, TextDelta, Usage
+from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta, Usage
 from butter.engine.metrics import Metrics
 from butter.engine.records import Phase, Request, Session
 from butter.engine.text import StopMatcher
@@ -76,6 +76,7 @@ class Engine:
         self.metrics = Metrics()
         self.fused = model.info.fusable
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = Outbox()  # engine thread only
         self._waiting: collections.deque[Request] = collections.deque()
         self._active: list[Request] = []
         self._sessions: list[Session] = []
@@ -158,8 +159,10 @@ class Engine:
                     log.exception("engine step failed; failing the active requests")
                     self._fail(list(self._active))
                 self._update_gauges()
+                self._outbox.flush()
         finally:
             self._shutdown(stop.error if stop else InternalError())
+            self._outbox.flush()
 
     def _drain_inbox(self, *, block: bool) -> _Stop | None:
         try:
@@ -199,12 +202,12 @@ class Engine:
         except ButterError as error:
             self.metrics.requests_rejected += 1
             request.phase = Phase.DONE
-            request.channel.emit(Failed(error))
+            self._outbox.put(request.channel, Failed(error))
             return
         request.reservation = len(request.prompt_tokens) + request.max_tokens
         self.metrics.requests_total += 1
         self.metrics.prompt_tokens += len(request.prompt_tokens)
-        request.channel.emit(Admitted(prompt_tokens=len(request.prompt_tokens)))
+        self._outbox.put(request.channel, Admitted(prompt_tokens=len(request.prompt_tokens)))
         self._waiting.append(request)
 
     def _reap_cancelled(self) -> None:
@@ -213,7 +216,7 @@ class Engine:
                 self._waiting.remove(request)
                 self.metrics.cancellations["queued"] += 1
                 request.phase = Phase.DONE
-                request.channel.emit(Finished("cancelled", self._usage(request)))
+                self._outbox.put(request.channel, Finished("cancelled", self._usage(request)))
         for request in [r for r in self._active if r.cancelled]:
             self.metrics.cancellations[request.phase.value] += 1
             self._finish(request, "cancelled")
@@ -230,7 +233,8 @@ class Engine:
             if evict is None:
                 if not self._active:  # cannot happen after plan(); never spin on it
                     self._waiting.popleft()
-                    request.channel.emit(Failed(InternalError("No session could hold it.")))
+                    error = InternalError("No session could hold it.")
+                    self._outbox.put(request.channel, Failed(error))
                     continue
                 return  # the head waits for capacity; FIFO keeps everyone behind it
             for victim in evict:
@@ -331,7 +335,7 @@ class Engine:
             request.session.tokens.clear()
             self.metrics.requests_failed += 1
             self._release(request)
-            request.channel.emit(Failed(InternalError()))
+            self._outbox.put(request.channel, Failed(InternalError()))
 
     def _on_token(self, request: Request, token: int) -> None:
         request.generated.append(token)
@@ -348,7 +352,7 @@ class Engine:
         if text:
             safe, hit = request.stops.feed(text)
             if safe:
-                request.channel.emit(TextDelta(safe))
+                self._outbox.put(request.channel, TextDelta(safe))
             if hit:
                 self._finish(request, "stop", flush=False, stop_sequence=request.stops.matched)
                 return
@@ -362,9 +366,9 @@ class Engine:
             safe, _ = request.stops.feed(tail) if tail else ("", False)
             safe += request.stops.flush()
             if safe:
-                request.channel.emit(TextDelta(safe))
+                self._outbox.put(request.channel, TextDelta(safe))
         self._release(request)
-        request.channel.emit(Finished(reason, self._usage(request), stop_sequence))
+        self._outbox.put(request.channel, Finished(reason, self._usage(request), stop_sequence))
 
     def _release(self, request: Request) -> None:
         if request.sampler is not None:
@@ -396,7 +400,7 @@ class Engine:
     def _shutdown(self, error: ButterError) -> None:
         for request in list(self._waiting) + list(self._active):
             self._release(request)
-            request.channel.emit(Failed(error))
+            self._outbox.put(request.channel, Failed(error))
         self._waiting.clear()
         self._drain_calls(error)
         for session in self._sessions:
@@ -415,4 +419,4 @@ class Engine:
             if isinstance(message, _Call) and message.future.set_running_or_notify_cancel():
                 message.future.set_exception(error)
             elif isinstance(message, _Submit):
-                message.request.channel.emit(Failed(error))
+                self._outbox.put(message.request.channel, Failed(error))

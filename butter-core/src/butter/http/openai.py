@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import json
 import uuid
 from typing import Any, AsyncIterator
 
@@ -89,11 +89,17 @@ async def _stream(generation: Generation, completion_id: str, model_id: str, *,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                  "finish_reason": finish_reason}]})
 
+    # Content deltas are most of a stream: frame them from a prebuilt template.
+    head, tail = chunk({"content": "\x00"}).decode().split('"\\u0000"')
+
+    def content_chunk(text: str) -> bytes:
+        return (head + json.dumps(text, ensure_ascii=False) + tail).encode()
+
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for delta in generation:
             if isinstance(delta, ContentDelta):
-                yield chunk({"content": delta.text})
+                yield content_chunk(delta.text)
             elif isinstance(delta, ReasoningDelta):
                 yield chunk({"reasoning_content": delta.text})
             elif isinstance(delta, ToolCallStart):
