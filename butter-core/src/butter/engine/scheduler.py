@@ -39,13 +39,15 @@ log = logging.getLogger("butter.engine")
 class EngineConfig:
     parallel: int = 1
     capacity: int = 8192  # KV cells shared by every session
-    n_sessions: int = 0  # 0: parallel + a few idle sessions kept for prefix reuse
+    # 0: parallel + 2. Idle sessions keep their KV for prefix reuse, but every cell held
+    # widens the unified cache each pass attends over, so only a couple are kept.
+    n_sessions: int = 0
     max_batch: int = 512
     prefill_chunk: int = 256
 
     @property
     def sessions(self) -> int:
-        return self.n_sessions or max(self.parallel * 2, self.parallel + 4)
+        return self.n_sessions or self.parallel + 2
 
 
 @attrs.frozen
