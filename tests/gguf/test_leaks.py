@@ -18,31 +18,18 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
+from helpers import COLOURS, notes, wait_for
 
 CAPACITY = 2048
 CHAT = "/chat/completions"
-COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "grey")
 
 
 def chat_body(user: str, **fields) -> dict:
     return {"model": "smollm2", "messages": [{"role": "user", "content": user}], **fields}
 
 
-def notes(count: int, topic: str) -> str:
-    """Filler text of roughly ``10 * count`` tokens."""
-    return " ".join(f"Note {i} on {topic}: the {COLOURS[i % 7]} lamp stays on." for i in range(count))
 
 
-def wait_for(server: ServerProcess, condition: Callable[[dict], bool], what: str,
-             timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = server.metrics()
-        if condition(metrics):
-            return metrics
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: {metrics}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
+from helpers import COLOURS, notes, wait_for
 
 CHAT = "/chat/completions"
-COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "grey")
 CANCELLED = 'butter_cancellations_total{phase="%s"}'
 
 
@@ -41,21 +41,8 @@ def answer(completion: dict) -> str:
     return completion["choices"][0]["message"]["content"]
 
 
-def notes(count: int, topic: str) -> str:
-    """Filler text of roughly ``10 * count`` tokens."""
-    return " ".join(f"Note {i} on {topic}: the {COLOURS[i % 7]} lamp stays on." for i in range(count))
 
 
-def wait_for(server: ServerProcess, condition: Callable[[dict], bool], what: str,
-             timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = server.metrics()
-        if condition(metrics):
-            return metrics
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: {metrics}")
-        time.sleep(0.05)
 
 
 class Stream:

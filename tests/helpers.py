@@ -1,0 +1,28 @@
+"""Helpers shared by the real-server tests."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from conftest import ServerProcess
+
+COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "grey")
+
+
+def notes(count: int, topic: str) -> str:
+    """Filler text of roughly ``10 * count`` tokens."""
+    return " ".join(f"Note {i} on {topic}: the {COLOURS[i % 7]} lamp stays on." for i in range(count))
+
+
+def wait_for(server: ServerProcess, condition: Callable[[dict], bool], what: str,
+             timeout: float = 60) -> dict:
+    """Poll ``/metrics`` until ``condition`` holds; fail with the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        if condition(metrics):
+            return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {metrics}")
+        time.sleep(0.05)
