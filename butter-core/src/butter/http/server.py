@@ -26,7 +26,7 @@ class ServeServer:
         self.backend = backend
         self.app = create_app(backend, close_backend_on_shutdown=close_backend_on_shutdown)
         self._on_listening = on_listening
-        config = uvicorn.Config(self.app, host=host, port=port, http="auto", lifespan="on",
+        config = uvicorn.Config(self.app, host=host, port=port, http="h11", lifespan="on",
                                 log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
 
