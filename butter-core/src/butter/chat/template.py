@@ -71,9 +71,6 @@ class ChatTemplate:
         """Whether the template renders a ``tools`` list itself."""
         return "tools" in self._variables
 
-    def supports(self, variable: str) -> bool:
-        return variable in self._variables
-
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -76,8 +76,3 @@ class Request:
     sampling: SamplingParams | None = None
     detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
     stops: StopMatcher | None = None
-
-    @property
-    def position(self) -> int:
-        """Number of tokens of this request already in its session's KV."""
-        return self.session.tokens.__len__() if self.session else 0

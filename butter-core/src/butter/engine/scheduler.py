@@ -124,9 +124,6 @@ class Engine:
         self._inbox.put(_Stop(error or EngineStoppedError("The server is shutting down.")))
         self._thread.join(timeout)
 
-    def idle(self) -> bool:
-        return not self._active and not self._waiting
-
     # ---- the engine thread ----------------------------------------------------------
 
     def _run(self) -> None:
