@@ -259,13 +259,11 @@ class ResidentServeBackend:
         await asyncio.to_thread(old.close, aborted)
         try:
             self._current = await asyncio.to_thread(self._build, model_id)
-        except ButterError:
-            log.warning("swap to %s failed; reloading %s", model_id, old.model_id)
-            self._current = await asyncio.to_thread(self._build, old.model_id)
-            raise
         except Exception as exc:
-            log.exception("swap to %s failed", model_id)
+            log.warning("swap to %s failed (%s); reloading %s", model_id, exc, old.model_id)
             self._current = await asyncio.to_thread(self._build, old.model_id)
+            if isinstance(exc, ButterError):
+                raise
             raise InternalError(f"Loading `{model_id}` failed.") from exc
         self.swaps += 1
         log.info("swap done: now serving %s", model_id)
