@@ -67,6 +67,10 @@ class ServerProcess:
             values[key] = float(value)
         return values
 
+    def models(self) -> list[dict]:
+        """`/v1/models` entries."""
+        return httpx.get(f"{self.base_url}/models", timeout=5).json()["data"]
+
     def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
         while True:

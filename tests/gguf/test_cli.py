@@ -15,6 +15,7 @@ def butter(*args, timeout=60):
     ("serve",),
     ("serve", "--model", "smollm2", "--port", "abc"),
     ("serve", "--model", "smollm2", "--parallel", "0"),
+    ("serve", "--model", "smollm2", "--ubatch-size", "0"),
     ("serve", "--model", "smollm2", "--kv-window-keep", "4"),
     ("serve", "--model", "smollm2", "--bogus"),
     ("frobnicate",),
@@ -40,6 +41,22 @@ def test_boot_by_path_prints_routes_and_url(start_server, model_path):
     for route in ("/health", "/v1/models", "/v1/chat/completions", "/v1/messages", "/metrics"):
         assert route in log
     assert server.base_url in log
+
+
+def test_ubatch_size_sets_the_native_micro_batch(start_server, server):
+    import openai
+
+    assert server.models()[0]["butter"]["micro_batch"] == 63  # the batch-invariant default
+    fast = start_server("--ubatch-size", "512")
+    assert fast.models()[0]["butter"]["micro_batch"] == 512
+    client = openai.OpenAI(base_url=fast.base_url, api_key="-", max_retries=0, timeout=120)
+    notes = " ".join(f"Note {n}: the archive opens at nine." for n in range(40))
+    reply = client.chat.completions.create(  # ~400 prompt rows: one tiled micro-batch
+        model="smollm2", temperature=0, max_tokens=16,
+        messages=[{"role": "system", "content": notes},
+                  {"role": "user", "content": "When does the archive open?"}])
+    assert reply.usage.prompt_tokens > 300
+    assert reply.choices[0].message.content.strip()
 
 
 def test_plugins_lists_what_loaded():

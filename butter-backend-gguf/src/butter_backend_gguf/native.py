@@ -138,8 +138,10 @@ class GGUFModel:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self._vocab, token))
 
-    def create_runtime(self, *, capacity: int, n_sessions: int, max_batch: int) -> "GGUFRuntime":
-        return GGUFRuntime(self, capacity=capacity, n_sessions=n_sessions, max_batch=max_batch)
+    def create_runtime(self, *, capacity: int, n_sessions: int, max_batch: int,
+                       micro_batch: int | None = None) -> "GGUFRuntime":
+        return GGUFRuntime(self, capacity=capacity, n_sessions=n_sessions, max_batch=max_batch,
+                           micro_batch=micro_batch)
 
     @property
     def handle(self):
@@ -217,15 +219,18 @@ class BatchBuilder:
 class GGUFRuntime:
     """One llama.cpp context: a unified KV shared by every session (one seq id each)."""
 
-    def __init__(self, model: GGUFModel, *, capacity: int, n_sessions: int, max_batch: int) -> None:
+    def __init__(self, model: GGUFModel, *, capacity: int, n_sessions: int, max_batch: int,
+                 micro_batch: int | None = None) -> None:
         params = ll.llama_context_default_params()
         params.n_ctx = capacity
         params.n_batch = max_batch
-        # Same answer batched or alone: llama.cpp's CPU flash attention takes a row-by-row
-        # path that only reads a session's own KV cells, in cell order, for micro-batches
-        # of 2..63 rows; at 64 rows and more every row of the pass goes through a tiled
-        # kernel whose sums depend on where other sessions' cells sit.
-        params.n_ubatch = min(max_batch, FA_ROW_BY_ROW_MAX_ROWS)
+        # Same answer batched or alone (on a fresh cache): llama.cpp's CPU flash attention
+        # takes a row-by-row path that only reads a session's own KV cells, in cell order,
+        # for micro-batches of 2..63 rows; at 64 rows and more every row of the pass goes
+        # through a tiled kernel whose sums depend on where other sessions' cells sit. The
+        # tiled kernel prefills long prompts faster: ``--ubatch-size 512`` picks it.
+        self.micro_batch = min(max_batch, micro_batch or FA_ROW_BY_ROW_MAX_ROWS)
+        params.n_ubatch = self.micro_batch
         params.n_seq_max = n_sessions
         params.n_threads = model.threads
         params.n_threads_batch = model.threads

@@ -88,7 +88,8 @@ class LoadedModel(Protocol):
 
     def is_end_of_generation(self, token: int) -> bool: ...
 
-    def create_runtime(self, *, capacity: int, n_sessions: int, max_batch: int) -> Runtime: ...
+    def create_runtime(self, *, capacity: int, n_sessions: int, max_batch: int,
+                       micro_batch: int | None = None) -> Runtime: ...
 
     def close(self) -> None:
         """Free the native checkpoint now (not when the garbage collector gets to it)."""

@@ -117,7 +117,8 @@ class ButterServeBackend:
 
     def __init__(self, model: "Model", *, model_id: str | None = None,
                  maximum_concurrent_requests: int = 1, max_context: int | None = None,
-                 prefill_chunk: int = 256, enable_thinking: bool | None = None,
+                 prefill_chunk: int = 256, micro_batch: int | None = None,
+                 enable_thinking: bool | None = None,
                  reasoning_effort: str | None = None) -> None:
         self.model = model
         self._model_id = model_id or model.model_id
@@ -126,6 +127,7 @@ class ButterServeBackend:
         capacity = max_context or model.info.n_ctx_train
         self.engine = model.start_engine(EngineConfig(
             parallel=maximum_concurrent_requests, capacity=capacity, prefill_chunk=prefill_chunk,
+            micro_batch=micro_batch,
         ))
 
     @property
@@ -147,6 +149,7 @@ class ButterServeBackend:
                 "n_ctx_train": info.n_ctx_train,
                 "parallel": self.engine.config.parallel,
                 "fused_batching": self.engine.fused,
+                "micro_batch": self.engine.micro_batch,
                 "path": str(self.model.resolved.path),
             },
         }

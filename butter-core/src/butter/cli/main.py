@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend", default=None, help="back end name (default: by model type)")
     serve.add_argument("--prefill-chunk", type=_positive, default=256,
                        help="prompt tokens per session per step while others decode")
+    serve.add_argument("--ubatch-size", type=_positive, default=None, metavar="N",
+                       help="rows per llama.cpp micro-batch (default 63: under 64 rows a "
+                            "request answers the same alone or batched on a fresh cache; "
+                            "512 prefills long prompts about 1.5x faster)")
     serve.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default=None)
     serve.add_argument("--kv-cache", default="raw", help=KV_CODECS_HELP)

@@ -43,6 +43,7 @@ def run_serve(args: argparse.Namespace) -> int:
             maximum_concurrent_requests=args.parallel,
             max_context=args.max_context,
             prefill_chunk=args.prefill_chunk,
+            micro_batch=args.ubatch_size,
             enable_thinking=args.enable_thinking,
             reasoning_effort=args.reasoning_effort,
         )

@@ -44,6 +44,7 @@ class EngineConfig:
     n_sessions: int = 0
     max_batch: int = 512
     prefill_chunk: int = 256
+    micro_batch: int | None = None  # rows per native micro-batch; None: the back end's choice
 
     @property
     def sessions(self) -> int:
@@ -101,6 +102,12 @@ class Engine:
     def capacity(self) -> int:
         return self._admission.capacity if self._admission else self.config.capacity
 
+    @property
+    def micro_batch(self) -> int | None:
+        """Rows per native micro-batch, as the back end settled it."""
+        runtime = self._runtime
+        return getattr(runtime, "micro_batch", None) if runtime else self.config.micro_batch
+
     def submit(self, request: Request) -> None:
         if not self._thread.is_alive():
             request.channel.emit(Failed(EngineStoppedError("The engine is not running.")))
@@ -132,6 +139,7 @@ class Engine:
                 capacity=self.config.capacity,
                 n_sessions=self.config.sessions,
                 max_batch=self.config.max_batch,
+                micro_batch=self.config.micro_batch,
             )
             self._sessions = [Session(seq_id=i) for i in range(self._runtime.n_sessions)]
             self._admission = Admission(self._runtime.capacity, self.config.parallel)
