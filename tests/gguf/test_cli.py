@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,7 +38,10 @@ def test_unknown_model_fails_at_boot_in_one_line():
 
 def test_boot_by_path_prints_routes_and_url(start_server, model_path):
     server = start_server(model=str(model_path))
-    log = server.log_text()
+    # /health can answer a moment before the banner reaches the log: poll for it.
+    deadline = time.monotonic() + 30
+    while server.base_url not in (log := server.log_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for route in ("/health", "/v1/models", "/v1/chat/completions", "/v1/messages", "/metrics"):
         assert route in log
     assert server.base_url in log
