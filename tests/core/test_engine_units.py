@@ -39,6 +39,15 @@ def test_longest_prefix_then_least_recently_used():
     assert reuse == 3
 
 
+def test_best_source_is_any_session_with_a_longer_prefix():
+    busy = Session(seq_id=0, tokens=[1, 2, 3, 4, 5])
+    idle = Session(seq_id=1, tokens=[1, 2, 9])
+    assert Admission.best_source([busy, idle], [1, 2, 3, 7], better_than=2) == (busy, 3)
+    assert Admission.best_source([busy, idle], [1, 2, 9, 9], better_than=3) == (None, 0)
+    # One prompt token is always left to prefill.
+    assert Admission.best_source([busy], [1, 2, 3], better_than=0) == (busy, 2)
+
+
 def test_state_that_cannot_rewind_is_reused_only_as_a_whole_prefix():
     a = Session(seq_id=0, tokens=[1, 2, 3], last_used=1)
     assert Admission.pick_session([a], [1, 2, 3, 4], can_rewind=False) == (a, 3)

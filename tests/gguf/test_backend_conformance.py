@@ -72,6 +72,26 @@ def test_sessions_are_independent_and_rewindable(loaded):
         runtime.close()
 
 
+def test_a_shared_prefix_answers_like_its_source(loaded):
+    runtime = loaded.create_runtime(capacity=512, n_sessions=2, max_batch=128)
+    try:
+        tokens = loaded.tokenize(PROMPT, add_special=False, parse_special=True)
+        first = greedy(runtime, loaded, 0, tokens, 8)
+        # Session 1 gets session 0's cells for all but the last prompt token, then
+        # prefills that one token itself: the same greedy answer follows.
+        assert runtime.share(0, 1, len(tokens) - 1)
+        out = runtime.decode([BatchEntry(1, tokens[-1:], len(tokens) - 1, True)])
+        sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
+        assert runtime.sample(sampler, out[0]) == first[0]
+        sampler.close()
+        # Dropping the source leaves the shared cells to session 1.
+        assert runtime.forget(0, 0)
+        out = runtime.decode([BatchEntry(1, (first[0],), len(tokens), True)])
+        assert len(out) == 1
+    finally:
+        runtime.close()
+
+
 def test_seeded_sampling_repeats_and_seeds_matter(loaded):
     runtime = loaded.create_runtime(capacity=256, n_sessions=1, max_batch=64)
     try:

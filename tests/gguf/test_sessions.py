@@ -351,6 +351,26 @@ def test_cached_tokens_cover_a_shared_system_prompt(openai_client):
     assert second.usage.prompt_tokens - 16 <= cached(second) < second.usage.prompt_tokens
 
 
+def test_concurrent_requests_all_reuse_one_cached_system_prompt(start_server):
+    import openai
+
+    server = start_server("--parallel", "4")
+    client = openai.OpenAI(base_url=server.base_url, api_key="-", max_retries=0, timeout=120)
+    system = {"role": "system", "content": "You are a patient archivist. " + notes(30, "boxes")}
+    create(client, [system, {"role": "user", "content": "What is 2+2?"}])
+    # Three at once: one leases the session that holds the system prompt, the other two
+    # share its cells instead of prefilling the same prompt again.
+    questions = ("Name a colour.", "Name a fruit.", "Name a tree.")
+    with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
+        replies = list(pool.map(
+            lambda q: create(client, [system, {"role": "user", "content": q}]), questions))
+    for reply in replies:
+        assert reply.usage.prompt_tokens - 16 <= cached(reply) < reply.usage.prompt_tokens
+        assert reply.choices[0].message.content.strip()
+    server.wait_idle()
+    assert server.metrics()["butter_kv_reserved_cells"] == 0
+
+
 def conversation(client, topic: str):
     system = {"role": "system", "content": f"You are a guide to {topic}. " + notes(10, topic)}
     turn1 = [system, {"role": "user", "content": f"Tell me one fact about {topic}."}]

@@ -267,6 +267,11 @@ class GGUFRuntime:
     def forget(self, seq_id: int, start: int) -> bool:
         return bool(ll.llama_memory_seq_rm(self._memory, seq_id, start, -1))
 
+    def share(self, source_seq: int, target_seq: int, length: int) -> bool:
+        # One unified KV: the cells gain the target's sequence id, nothing is copied.
+        ll.llama_memory_seq_cp(self._memory, source_seq, target_seq, 0, length)
+        return True
+
     def close(self) -> None:
         self._builder.close()
         if self._ctx is not None:

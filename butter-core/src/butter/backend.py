@@ -76,6 +76,9 @@ class Runtime(Protocol):
     def forget(self, seq_id: int, start: int) -> bool:
         """Drop positions ``start..`` of a session's KV; False if it cannot rewind."""
 
+    def share(self, source_seq: int, target_seq: int, length: int) -> bool:
+        """Give ``target_seq`` (empty) positions ``0..length`` of ``source_seq``'s KV."""
+
     def close(self) -> None: ...
 
 

@@ -5,6 +5,8 @@ Accounting, in KV cells of the one shared cache (``capacity``):
 - an active request reserves ``prompt + max_tokens`` cells (its reused prefix
   included: those cells are already held by its session, so they cost nothing new);
 - an idle session holds ``len(session.tokens)`` cells until it is evicted;
+- a prefix copied from another session shares that session's cells (no new cell is
+  taken), but it is counted for both: the accounting errs on the safe side;
 - a request is installed only when active reservations + its own + the cells of
   the idle sessions that stay cached fit in ``capacity``. Idle caches are evicted
   least recently used first; if even that is not enough, the request waits.
@@ -78,6 +80,23 @@ class Admission:
             if reuse > best_reuse:
                 best, best_reuse = session, reuse
         return best, max(best_reuse, 0)
+
+    @staticmethod
+    def best_source(
+        sessions: Sequence[Session], prompt: Sequence[int], *, better_than: int
+    ) -> tuple[Session | None, int]:
+        """The session, idle or busy, holding the longest prefix of ``prompt``.
+
+        Returns (None, 0) unless it beats ``better_than`` (what the leased session
+        already holds). Like :meth:`pick_session`, leaves one prompt token to prefill.
+        """
+        best: Session | None = None
+        best_shared = better_than
+        for session in sessions:
+            shared = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
+            if shared > best_shared:
+                best, best_shared = session, shared
+        return (best, best_shared) if best is not None else (None, 0)
 
     def make_room(
         self,

@@ -256,6 +256,8 @@ class Engine:
                 self._runtime.forget(session.seq_id, 0)
                 reuse = 0
             del session.tokens[reuse:]
+        if self.model.info.can_rewind:
+            reuse = self._share_prefix(request, session, reuse)
         session.request = request
         request.session = session
         request.cached_tokens = reuse
@@ -268,6 +270,25 @@ class Engine:
         request.stops = StopMatcher(params.stop)
         self.metrics.cached_tokens += reuse
         self._active.append(request)
+
+    def _share_prefix(self, request: Request, session: Session, reuse: int) -> int:
+        """Take a longer cached prefix from another session, busy or idle, if one has it.
+
+        Concurrent requests with one system prompt then prefill it once: the leased
+        session's cells are dropped and the source's cells for that prefix are shared
+        with it (``llama_memory_seq_cp`` on the unified KV: no copy, no compute).
+        """
+        others = [s for s in self._sessions if s is not session and s.tokens]
+        source, shared = self._admission.best_source(others, request.prompt_tokens,
+                                                     better_than=reuse)
+        if source is None:
+            return reuse
+        self._runtime.forget(session.seq_id, 0)
+        session.tokens.clear()
+        if not self._runtime.share(source.seq_id, session.seq_id, shared):
+            return 0
+        session.tokens.extend(source.tokens[:shared])
+        return shared
 
     # ---- one model pass ------------------------------------------------------------
 
