@@ -57,8 +57,9 @@ class Metrics:
         metric("kv_capacity_cells", "gauge", "KV cells in the shared cache.", self.kv_capacity_cells)
         metric("kv_reserved_cells", "gauge", "KV cells reserved by active requests.",
                self.kv_reserved_cells)
-        metric("kv_used_cells", "gauge", "KV cells holding tokens (active and idle sessions).",
-               self.kv_used_cells)
+        metric("kv_used_cells", "gauge",
+               "KV cells holding tokens (active and idle sessions; a shared prefix counts "
+               "once per session that holds it).", self.kv_used_cells)
         metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
                self.prompt_tokens)
         metric("cached_tokens_total", "counter", "Prompt tokens reused from a session's KV.",
