@@ -1,8 +1,9 @@
 """How often does a request's answer change when it runs fused with seven others?
 
 For each server (butter ``--parallel 8``, then llama-server ``-np 8``) this sends a set
-of prompts, short (~40 tokens) and long (~300-700 tokens, past the 256 KV cells where
-ggml's CPU flash attention splits a lone row's keys across threads):
+of prompts, short (~40 tokens) and long (~300-700 tokens: once a lone row attends over 512+ KV cells, ggml's CPU flash
+attention splits its keys across threads; a llama-server slot gets there past 256
+tokens, butter's shared cache counts every session's cells):
 
 1. each prompt alone, one after another;
 2. all of them at once (one fused pass per step);

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from butter import ButterServeBackend, Model, ResidentServeBackend, ServeServer
+from butter.errors import InternalError
 from conftest import free_port
 
 QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
@@ -38,6 +39,22 @@ def test_generate_raw_prompt_and_seed(model):
     assert first.finish_reason == "length" and first.usage.completion_tokens == 10
     assert model.generate("Once upon a time", max_tokens=10, temperature=0.9, seed=5).text == \
         first.text
+
+
+def test_a_native_failure_while_installing_fails_only_that_request(model):
+    model.generate(QUESTION, max_tokens=2, temperature=0)  # the engine and its runtime are up
+    runtime = model.engine._runtime
+
+    def broken(params):
+        del runtime.new_sampler  # fail once, then the class's method again
+        raise RuntimeError("sampler chain could not be built")
+
+    runtime.new_sampler = broken
+    with pytest.raises(InternalError):
+        model.generate(QUESTION, max_tokens=4, temperature=0)
+    metrics = model.engine.metrics
+    assert metrics.requests_failed >= 1 and metrics.active_requests == 0
+    assert "Paris" in model.generate(QUESTION, max_tokens=24, temperature=0).text
 
 
 def test_generate_stream(model):

@@ -312,6 +312,8 @@ def test_same_request_same_answer_when_asked_again(eight_lanes):
 def test_batched_answer_equals_alone(start_server):
     """On a fresh cache a request answers the same alone and fused with seven others.
 
+    Alone on one fresh server, fused on another, so no KV is carried from one to the other.
+
     Greedy and seeded, token for token. It holds because the GGUF back end keeps
     llama.cpp's micro-batches under 64 rows, where ggml's CPU flash attention reads a
     row's own KV cells one by one in cell order, and a fresh cache lays each session's
@@ -320,8 +322,9 @@ def test_batched_answer_equals_alone(start_server):
     lone row over 512+ cells takes a split-KV path): ``bench/batch_invariance.py``
     measures how often answers differ there, for butter and llama-server.
     """
-    server = start_server("--parallel", "8")
-    alone = {"greedy": answer(post(server, GREEDY)), "seeded": answer(post(server, SEEDED))}
+    first, server = start_server("--parallel", "8"), start_server("--parallel", "8")
+    alone = {"greedy": answer(post(first, GREEDY)), "seeded": answer(post(first, SEEDED))}
+    first.stop()
     others = [chat_body(f"Describe the number {n} in one sentence.", temperature=0.8,
                         max_tokens=24, ignore_eos=True) for n in range(6)]
     completions, most_active = run_concurrently(server, [GREEDY, SEEDED, *others])

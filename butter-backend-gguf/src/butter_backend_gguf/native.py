@@ -95,6 +95,9 @@ class GGUFModel:
         template = ll.llama_model_chat_template(self._handle, None)
         recurrent = bool(ll.llama_model_is_recurrent(self._handle))
         hybrid = bool(ll.llama_model_is_hybrid(self._handle))
+        # llama.cpp reuses a sliding-window cell once it leaves its sequence's window, so
+        # a cache cut short (or shared) may miss positions the window still needs.
+        sliding = int(ll.llama_model_n_swa(self._handle)) > 0
         experts = int(self._meta(f"{arch}.expert_count") or 0)
         desc = ctypes.create_string_buffer(128)
         ll.llama_model_desc(self._handle, desc, len(desc))
@@ -105,7 +108,7 @@ class GGUFModel:
             bos_token=self._token_text(ll.llama_vocab_bos(self._vocab)),
             eos_token=self._token_text(ll.llama_vocab_eos(self._vocab)),
             add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
-            can_rewind=not (recurrent or hybrid),
+            can_rewind=not (recurrent or hybrid or sliding),
             fusable=not (recurrent or hybrid or experts > 0),
             description=desc.value.decode("utf-8", errors="replace"),
         )
@@ -229,8 +232,7 @@ class GGUFRuntime:
         # for micro-batches of 2..63 rows; at 64 rows and more every row of the pass goes
         # through a tiled kernel whose sums depend on where other sessions' cells sit. The
         # tiled kernel prefills long prompts faster: ``--ubatch-size 512`` picks it.
-        self.micro_batch = min(max_batch, micro_batch or FA_ROW_BY_ROW_MAX_ROWS)
-        params.n_ubatch = self.micro_batch
+        params.n_ubatch = min(max_batch, micro_batch or FA_ROW_BY_ROW_MAX_ROWS)
         params.n_seq_max = n_sessions
         params.n_threads = model.threads
         params.n_threads_batch = model.threads
@@ -244,6 +246,7 @@ class GGUFRuntime:
         self._ctx = ctx
         self._memory = ll.llama_get_memory(ctx)
         self.capacity = int(ll.llama_n_ctx(ctx))
+        self.micro_batch = int(ll.llama_n_ubatch(ctx))
         self.n_sessions = n_sessions
         self.max_batch = max_batch
         self._builder = BatchBuilder(max_batch)

@@ -64,6 +64,7 @@ class Runtime(Protocol):
     capacity: int  # KV cells across all sessions
     n_sessions: int
     max_batch: int
+    micro_batch: int  # rows per native micro-batch
 
     def decode(self, entries: Sequence[BatchEntry]) -> list[int]:
         """Run one model pass; return, per entry wanting logits, its output index."""
@@ -77,7 +78,10 @@ class Runtime(Protocol):
         """Drop positions ``start..`` of a session's KV; False if it cannot rewind."""
 
     def share(self, source_seq: int, target_seq: int, length: int) -> bool:
-        """Give ``target_seq`` (empty) positions ``0..length`` of ``source_seq``'s KV."""
+        """Give ``target_seq`` (empty) positions ``0..length`` of ``source_seq``'s KV.
+
+        False if the back end cannot; the target then prefills the prompt itself.
+        """
 
     def close(self) -> None: ...
 

@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", type=_positive, default=256,
                        help="prompt tokens per session per step while others decode")
     serve.add_argument("--ubatch-size", type=_positive, default=None, metavar="N",
-                       help="rows per llama.cpp micro-batch (default 63: under 64 rows a "
-                            "request answers the same alone or batched on a fresh cache; "
-                            "512 prefills long prompts about 1.5x faster)")
+                       help="rows per llama.cpp micro-batch, at most 512 (default 63: under "
+                            "64 rows a request answers the same alone or batched on a fresh "
+                            "cache; 512 prefills long prompts about 1.5x faster)")
     serve.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default=None)
     serve.add_argument("--kv-cache", default="raw", help=KV_CODECS_HELP)

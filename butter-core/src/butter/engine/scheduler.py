@@ -105,8 +105,7 @@ class Engine:
     @property
     def micro_batch(self) -> int | None:
         """Rows per native micro-batch, as the back end settled it."""
-        runtime = self._runtime
-        return getattr(runtime, "micro_batch", None) if runtime else self.config.micro_batch
+        return self._runtime.micro_batch if self._runtime else self.config.micro_batch
 
     def submit(self, request: Request) -> None:
         if not self._thread.is_alive():
@@ -248,9 +247,15 @@ class Engine:
                 self._runtime.forget(victim.seq_id, 0)
                 victim.tokens.clear()
             self._waiting.popleft()
-            self._install(request, session, reuse)
+            try:
+                self._install(request, session, reuse)
+            except Exception:  # a native call failed: this request fails, not the engine
+                log.exception("installing a request failed")
+                self._fail([request])
 
     def _install(self, request: Request, session: Session, reuse: int) -> None:
+        session.request = request  # leased first: _fail can release it from here on
+        request.session = session
         if len(session.tokens) > reuse:
             if not self._runtime.forget(session.seq_id, reuse):
                 self._runtime.forget(session.seq_id, 0)
@@ -258,8 +263,6 @@ class Engine:
             del session.tokens[reuse:]
         if self.model.info.can_rewind:
             reuse = self._share_prefix(request, session, reuse)
-        session.request = request
-        request.session = session
         request.cached_tokens = reuse
         request.next_prefill = reuse
         request.phase = Phase.PREFILL
