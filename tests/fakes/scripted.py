@@ -74,6 +74,7 @@ class ScriptedBackend:
     request in order. ``requests`` records what each call received."""
 
     model_id = "scripted"
+    healthy = True
 
     def __init__(self, replies: Iterable[Reply | str]) -> None:
         self._replies = [r if isinstance(r, Reply) else Reply(r) for r in replies]
@@ -104,7 +105,7 @@ class ScriptedBackend:
         self.plans.append(plan)
         reply = self._replies.pop(0)
         channel = AsyncChannel(asyncio.get_running_loop())
-        engine_request = Request(plan.text, request.params, channel)
+        engine_request = Request(self.tokenizer.tokenize(plan.text), request.params, channel)
         reader = AnswerReader.for_plan(plan, tools=request.tools, formats=None)
         generation = Generation(self, engine_request, channel, reader)
         for event in self._events(reply, request, len(self.tokenizer.tokenize(plan.text))):

@@ -54,9 +54,23 @@ def _ensure_backend() -> None:
             _backend_ready = True
 
 
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            return any(line.startswith("flags") and " amx_int8" in line for line in cpuinfo)
+    except OSError:
+        return False
+
+
 def load_model(resolved: ResolvedModel, *, threads: int | None) -> "GGUFModel":
     _ensure_backend()
     params = ll.llama_model_default_params()
+    if cpu_has_amx():
+        # The pinned ggml's AMX weight buffers segfault in ggml_backend_amx_mul_mat on
+        # multi-token batches (ggml-org/llama.cpp#20824; reproduced here on SmolLM2 Q4_1
+        # with any prompt over one token), so weights stay in plain CPU buffers.
+        params.use_extra_bufts = False
+        log.info("CPU has AMX: llama.cpp's extra weight buffer types are off (AMX crashes)")
     _recent_errors.clear()
     handle = ll.llama_model_load_from_file(str(resolved.path).encode(), params)
     if not handle:
@@ -111,6 +125,14 @@ class GGUFModel:
             can_rewind=not (recurrent or hybrid or sliding),
             fusable=not (recurrent or hybrid or experts > 0),
             description=desc.value.decode("utf-8", errors="replace"),
+            control_tokens=self._control_tokens(),
+        )
+
+    def _control_tokens(self) -> tuple[str, ...]:
+        vocab = self._vocab
+        return tuple(
+            text for token in range(ll.llama_vocab_n_tokens(vocab))
+            if ll.llama_vocab_is_control(vocab, token) and (text := self._token_text(token))
         )
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:

@@ -3,8 +3,9 @@
 A :class:`Backend` loads a checkpoint into a :class:`LoadedModel` (weights,
 tokenizer, chat template). The engine thread then asks the loaded model for one
 :class:`Runtime` (a context holding the KV of every session) and drives it with
-fused batches. Only the engine thread touches a runtime; ``tokenize`` and
-``token_piece`` are called from the engine thread too.
+fused batches. Only the engine thread touches a runtime; ``token_piece`` is called
+from the engine thread too. ``tokenize`` runs on request threads (the engine thread
+runs model passes and little else), so it may only read the vocabulary.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class ModelInfo:
     # Whether many sessions may share one model pass (dense attention models).
     fusable: bool = True
     description: str = ""
+    # Texts of the control tokens (``<|im_start|>``…): client text never becomes one.
+    control_tokens: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -89,7 +92,9 @@ class Runtime(Protocol):
 class LoadedModel(Protocol):
     info: ModelInfo
 
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        """Token ids of ``text``. Called from request threads, never the engine thread,
+        and concurrently with model passes: it may only read the vocabulary."""
 
     def token_piece(self, token: int) -> bytes: ...
 

@@ -29,6 +29,32 @@ class InvalidRequestError(ButterError):
     code = "invalid_request"
 
 
+class AuthenticationError(ButterError):
+    """``--api-key`` is set and the request did not carry it."""
+
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ForbiddenError(ButterError):
+    """A cross-site ``Origin`` or a ``Host`` the server does not answer to."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "forbidden"
+
+
+class ClientDisconnectedError(InvalidRequestError):
+    """The client closed the connection before its request body arrived (nobody reads
+    the answer; it exists so the request ends without a traceback)."""
+
+    code = "client_disconnected"
+
+    def __init__(self) -> None:
+        super().__init__("The client closed the connection before the body arrived.")
+
+
 class ContextLengthExceededError(InvalidRequestError):
     """The prompt (plus the requested completion) can never fit the context."""
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -19,6 +20,7 @@ import attrs
 
 from butter.backend import LoadedModel, ModelInfo
 from butter.chat.answer import AnswerReader
+from butter.chat.guard import TextGuard
 from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.recovery import ContentDelta, ReasoningDelta, StreamParser, ToolCall
 from butter.chat.request import DEFAULT_TEMPERATURE, ChatRequest, parse_messages, parse_tools
@@ -26,7 +28,7 @@ from butter.chat.template import ChatTemplate
 from butter.engine.events import Failed, Finished, SyncChannel, TextDelta, Usage
 from butter.engine.records import GenerationParams, Request
 from butter.engine.scheduler import Engine, EngineConfig
-from butter.errors import ButterError, ModelLoadError
+from butter.errors import ButterError, EngineStoppedError, ModelLoadError
 from butter.plugins import Plugins, build_plugins
 from butter.resolve import ResolvedModel
 
@@ -68,8 +70,13 @@ class Model:
         self.template = ChatTemplate(self.info.chat_template, bos_token=self.info.bos_token,
                                      eos_token=self.info.eos_token)
         self.tool_formats = tuple(plugins.tool_formats) or None
+        self.guard = TextGuard(self.info.control_tokens)
         self._engine: Engine | None = None
         self._lock = threading.Lock()
+        # Request threads tokenizing right now; close() waits for them before freeing.
+        self._users = 0
+        self._closing = False
+        self._users_changed = threading.Condition()
 
     @classmethod
     def load(cls, model_id: str, *, backend: str | None = None, threads: int | None = None,
@@ -105,6 +112,30 @@ class Model:
         info = self.info
         return info.add_bos and not (info.bos_token and prompt.startswith(info.bos_token))
 
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a prompt built with ``guard`` (client text stays text).
+
+        Runs on the caller's thread, never the engine's: a 10 MB prompt stalls no stream.
+        """
+        with self._in_use():
+            return self.guard.encode(prompt, self._tokenize, add_special=self.adds_bos(prompt))
+
+    def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self.loaded.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        with self._users_changed:
+            if self._closing:
+                raise EngineStoppedError("The model is being unloaded.")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._users_changed:
+                self._users -= 1
+                self._users_changed.notify_all()
+
     # ---- generation --------------------------------------------------------------
 
     def generate(self, messages_or_prompt: str | Sequence[dict[str, Any]], **options: Any
@@ -137,7 +168,7 @@ class Model:
                     if isinstance(messages_or_prompt, str) else messages_or_prompt)
         chat = ChatRequest(messages=parse_messages(list(messages)), params=params,
                            tools=parse_tools(options.get("tools")))
-        plan = build_prompt(chat, self.template)
+        plan = build_prompt(chat, self.template, guard=self.guard)
         return plan.text, AnswerReader.for_plan(plan, tools=chat.tools, formats=self.tool_formats)
 
     def _stream(self, messages_or_prompt, options: dict[str, Any],
@@ -152,7 +183,7 @@ class Model:
         )
         prompt, reader = self._reader(messages_or_prompt, options, params)
         channel = SyncChannel()
-        request = Request(prompt, params, channel, add_special=self.adds_bos(prompt))
+        request = Request(self.encode(prompt), params, channel)
         engine = self.engine
         engine.submit(request)
         finished = False
@@ -180,6 +211,9 @@ class Model:
 
     def close(self, error: ButterError | None = None) -> None:
         """Stop the engine (ending its requests with ``error``) and free the checkpoint now."""
+        with self._users_changed:
+            self._closing = True
+            self._users_changed.wait_for(lambda: self._users == 0)
         with self._lock:
             if self._engine is not None:
                 self._engine.stop(error)

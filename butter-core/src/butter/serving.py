@@ -101,6 +101,10 @@ class ServeBackend(Protocol):
     @property
     def model_id(self) -> str: ...
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine has stopped on its own: ``/health`` answers 503."""
+
     def model_card(self) -> dict: ...
 
     async def generate(self, request: ChatRequest) -> Generation: ...
@@ -134,6 +138,10 @@ class ButterServeBackend:
     def model_id(self) -> str:
         return self._model_id
 
+    @property
+    def healthy(self) -> bool:
+        return not self.engine.died
+
     def model_card(self) -> dict:
         info = self.model.info
         return {
@@ -156,14 +164,19 @@ class ButterServeBackend:
 
     def plan(self, request: ChatRequest) -> PromptPlan:
         return build_prompt(request, self.model.template, default_thinking=self.enable_thinking,
-                            default_effort=self.reasoning_effort)
+                            default_effort=self.reasoning_effort, guard=self.model.guard)
+
+    def _prepare(self, request: ChatRequest) -> tuple[PromptPlan, list[int]]:
+        plan = self.plan(request)
+        return plan, self.model.encode(plan.text)
 
     async def generate(self, request: ChatRequest) -> Generation:
-        plan = self.plan(request)
+        # Rendering and tokenizing run on a worker thread: neither the event loop nor the
+        # engine thread waits for a large prompt.
+        plan, tokens = await asyncio.to_thread(self._prepare, request)
         reader = AnswerReader.for_plan(plan, tools=request.tools, formats=self.model.tool_formats)
         channel = AsyncChannel()
-        engine_request = Request(plan.text, request.params, channel,
-                                 add_special=self.model.adds_bos(plan.text))
+        engine_request = Request(tokens, request.params, channel)
         generation = Generation(self, engine_request, channel, reader)
         self.engine.submit(engine_request)
         try:
@@ -174,13 +187,8 @@ class ButterServeBackend:
         return generation
 
     async def count_tokens(self, request: ChatRequest) -> int:
-        plan = self.plan(request)
-        add_special = self.model.adds_bos(plan.text)
-        future = self.engine.call(
-            lambda loaded: len(loaded.tokenize(plan.text, add_special=add_special,
-                                               parse_special=True))
-        )
-        return await asyncio.wrap_future(future)
+        _, tokens = await asyncio.to_thread(self._prepare, request)
+        return len(tokens)
 
     def cancel(self, request: Request) -> None:
         self.engine.cancel(request)
@@ -229,6 +237,10 @@ class ResidentServeBackend:
     @property
     def model_id(self) -> str:
         return self._current.model_id
+
+    @property
+    def healthy(self) -> bool:
+        return self._current.healthy
 
     def model_card(self) -> dict:
         return self._current.model_card()

@@ -220,6 +220,9 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     if kind in ("auto", "none"):
         return ToolChoice(mode=kind)
     if kind == "any":
+        if not tools:
+            raise InvalidRequestError('`tool_choice: {"type": "any"}` needs `tools`.',
+                                      param="tool_choice")
         return ToolChoice(mode="required")
     if kind == "tool":
         name = value.get("name")

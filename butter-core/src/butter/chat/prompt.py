@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from butter.chat.guard import NO_SPECIALS, TextGuard
 from butter.chat.recovery import THINK_OPEN
 from butter.chat.request import ChatRequest
 from butter.chat.template import ChatTemplate
@@ -45,18 +46,21 @@ class PromptPlan:
 
 def build_prompt(request: ChatRequest, template: ChatTemplate, *,
                  default_thinking: bool | None = None,
-                 default_effort: str | None = None) -> PromptPlan:
+                 default_effort: str | None = None,
+                 guard: TextGuard = NO_SPECIALS) -> PromptPlan:
+    """The prompt for ``request``; client text in it is hidden by ``guard`` (see
+    :mod:`butter.chat.guard`), so ``guard.encode`` keeps it from becoming special tokens."""
     use_tools = request.wants_tools
-    messages = request.messages
-    tools = request.tools if use_tools else None
+    messages = guard.hide(request.messages)
+    tools = guard.hide(request.tools) if use_tools else None
     if use_tools and not template.accepts_tools:
-        messages = _inline_tools(messages, request.tools)
+        messages = _inline_tools(messages, tools)
         tools = None
     elif template.accepts_tools:
         messages = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
     else:
         messages = _inline_history(messages)
-    kwargs = dict(request.template_kwargs)
+    kwargs = guard.hide(dict(request.template_kwargs))
     thinking = request.enable_thinking if request.enable_thinking is not None else default_thinking
     if thinking is not None:
         kwargs["enable_thinking"] = thinking
@@ -67,7 +71,7 @@ def build_prompt(request: ChatRequest, template: ChatTemplate, *,
     think_open = text.rstrip().endswith(THINK_OPEN)
     # A template that opened a think block lets the model think first: no forced opening.
     prefix = _forced_opening(request) if use_tools and not think_open else ""
-    return PromptPlan(text=text + prefix, parse_tools=use_tools, think_open=think_open,
+    return PromptPlan(text=text + guard.hide(prefix), parse_tools=use_tools, think_open=think_open,
                       answer_prefix=prefix)
 
 

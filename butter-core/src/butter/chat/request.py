@@ -19,6 +19,10 @@ from butter.errors import InvalidRequestError
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 DEFAULT_TEMPERATURE = 0.8  # llama-server's default; OpenAI's is 1.0
 MAX_STOP_SEQUENCES = 16
+MAX_JSON_DEPTH = 64  # request bodies are shallow; deep nesting only costs recursion later
+# Names the chat template receives from butter itself; a client may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
+                                      "bos_token", "eos_token", "documents"})
 
 
 @attrs.frozen
@@ -46,7 +50,12 @@ class ChatRequest:
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode a request body: UTF-8 JSON holding an object."""
+    """Decode a request body: UTF-8 JSON holding an object of valid text.
+
+    Nesting deeper than :data:`MAX_JSON_DEPTH`, integers past Python's digit limit and
+    strings that are not valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"``)
+    are refused here, so nothing behind the edge ever meets them.
+    """
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -58,9 +67,46 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"The request body is not valid JSON: {exc.msg} "
                                   f"(line {exc.lineno}, column {exc.colno}).") from None
+    except RecursionError:
+        raise InvalidRequestError(f"The request body nests deeper than {MAX_JSON_DEPTH} "
+                                  "levels.") from None
+    except ValueError:  # e.g. an integer with more digits than Python converts
+        raise InvalidRequestError("The request body holds a number too large to read.") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
+    check_json_values(body)
     return body
+
+
+def check_json_values(body: Any) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and strings that are not valid text."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, where)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise InvalidRequestError(f"The request body nests deeper than {MAX_JSON_DEPTH} "
+                                      "levels.", param=where or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{key}" if where else str(key)
+                _check_text(key, path)
+                stack.append((item, path, depth + 1))
+        else:
+            stack.extend((item, f"{where}[{index}]", depth + 1) for index, item in enumerate(value))
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        name = where.encode("utf-8", "replace").decode() or "body"
+        raise InvalidRequestError(f"`{name}` is not valid text (it holds a lone UTF-16 "
+                                  "surrogate).", param=name) from None
 
 
 # ---- field readers ------------------------------------------------------------------
@@ -155,7 +201,13 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
     if effort is not None and effort not in ("low", "medium", "high", "minimal", "none"):
         raise InvalidRequestError("`reasoning_effort` must be low, medium or high.",
                                   param="reasoning_effort")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidRequestError(f"`chat_template_kwargs` may not set {', '.join(reserved)}: "
+                                  "the server renders those from the request.",
+                                  param="chat_template_kwargs")
     thinking = kwargs.get("enable_thinking")
+    tools = parse_tools(body.get("tools"))
     return ChatRequest(
         messages=parse_messages(body.get("messages")),
         params=generation_params(body, max_tokens_keys=("max_completion_tokens", "max_tokens"),
@@ -163,8 +215,8 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
         model=model,
         stream=stream,
         include_usage=bool(stream_options.get("include_usage")),
-        tools=parse_tools(body.get("tools")),
-        tool_choice=_tool_choice(body.get("tool_choice")),
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice"), tools),
         template_kwargs=kwargs,
         enable_thinking=thinking if isinstance(thinking, bool) else None,
         reasoning_effort=effort,
@@ -184,7 +236,7 @@ def _message(item: Any, index: int) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise InvalidRequestError(f"`{where}` must be an object.", param=where)
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise InvalidRequestError(f"`{where}.role` must be one of {sorted(ROLES)}.",
                                   param=f"{where}.role")
     message: dict[str, Any] = {"role": role, "content": content_text(item.get("content"),
@@ -263,15 +315,22 @@ def parse_tools(value: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def _tool_choice(value: Any) -> ToolChoice:
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     if value is None:
         return ToolChoice()
-    if value in ("none", "auto", "required"):
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise InvalidRequestError("`tool_choice: required` needs `tools`.",
+                                      param="tool_choice")
         return ToolChoice(mode=value)
     if isinstance(value, dict):
         function = value.get("function")
         if isinstance(function, dict) and isinstance(function.get("name"), str):
-            return ToolChoice(mode="function", name=function["name"])
+            name = function["name"]
+            if name not in {tool["function"]["name"] for tool in tools}:
+                raise InvalidRequestError(f"`tool_choice` names `{name}`, which is not one of "
+                                          "`tools`.", param="tool_choice")
+            return ToolChoice(mode="function", name=name)
     raise InvalidRequestError("`tool_choice` must be none, auto, required or "
                               '{"type": "function", "function": {"name": ...}}.',
                               param="tool_choice")

@@ -53,10 +53,9 @@ class Session:
 class Request:
     """A live generation request, from submission until its last event."""
 
-    prompt: str | list[int]  # rendered prompt text, or token ids
+    prompt: list[int]  # token ids, encoded off the engine thread
     params: GenerationParams
     channel: Channel
-    add_special: bool = False
     id: int = attrs.field(factory=lambda: next(_request_ids))
     submitted_at: float = attrs.field(factory=time.monotonic)
     # Set from any thread; the engine acts on it at the next bounded work unit.

@@ -1,8 +1,9 @@
 """The engine thread: admission, sessions, fused batches, cancellation.
 
 One thread owns the runtime (the back end's native context). Other threads talk to
-it only through :meth:`Engine.submit`, :meth:`Engine.cancel`, :meth:`Engine.call`
-and :meth:`Engine.stop`; it answers through each request's channel.
+it only through :meth:`Engine.submit`, :meth:`Engine.cancel` and
+:meth:`Engine.stop`; it answers through each request's channel. Prompts arrive as
+token ids: rendering and tokenizing run on the requesting threads.
 
 Each loop iteration is one bounded work unit: it drops cancelled requests, admits
 waiting ones in FIFO order, then runs one model pass holding the next token of
@@ -14,13 +15,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import concurrent.futures
 import logging
 import queue
 import random
 import threading
 import time
-from typing import Callable
 
 import attrs
 
@@ -57,12 +56,6 @@ class _Submit:
 
 
 @attrs.frozen
-class _Call:
-    function: Callable[[LoadedModel], object]
-    future: concurrent.futures.Future
-
-
-@attrs.frozen
 class _Stop:
     error: ButterError
 
@@ -87,6 +80,8 @@ class Engine:
         self._admission: Admission | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        # Set when the thread ended without being asked to: the server must not live on.
+        self.died = False
         self._thread = threading.Thread(target=self._run, name=f"butter-{name}", daemon=True)
 
     # ---- called from other threads -------------------------------------------------
@@ -107,6 +102,11 @@ class Engine:
         """Rows per native micro-batch, as the back end settled it."""
         return self._runtime.micro_batch if self._runtime else self.config.micro_batch
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (False before start and after stop or death)."""
+        return self._thread.is_alive()
+
     def submit(self, request: Request) -> None:
         if not self._thread.is_alive():
             request.channel.emit(Failed(EngineStoppedError("The engine is not running.")))
@@ -116,12 +116,6 @@ class Engine:
     def cancel(self, request: Request) -> None:
         request.cancelled = True
         self._inbox.put(_WAKE)
-
-    def call(self, function: Callable[[LoadedModel], object]) -> concurrent.futures.Future:
-        """Run ``function(model)`` on the engine thread (e.g. to tokenize)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Call(function, future))
-        return future
 
     def stop(self, error: ButterError | None = None, *, timeout: float = 30.0) -> None:
         """End every request with ``error``, free the runtime and join the thread."""
@@ -166,7 +160,10 @@ class Engine:
                     self._fail(list(self._active))
                 self._update_gauges()
                 self._outbox.flush()
+        except BaseException:  # nothing may end this loop but a stop: this is a death
+            log.critical("the engine thread died", exc_info=True)
         finally:
+            self.died = stop is None
             self._shutdown(stop.error if stop else InternalError())
             self._outbox.flush()
 
@@ -187,25 +184,18 @@ class Engine:
     def _handle(self, message: object) -> None:
         if isinstance(message, _Submit):
             self._accept(message.request)
-        elif isinstance(message, _Call):
-            if message.future.set_running_or_notify_cancel():
-                try:
-                    message.future.set_result(message.function(self.model))
-                except BaseException as exc:
-                    message.future.set_exception(exc)
 
     def _accept(self, request: Request) -> None:
+        # The prompt arrives tokenized: per-request text work never runs on this thread.
         try:
-            if isinstance(request.prompt, str):
-                request.prompt_tokens = self.model.tokenize(
-                    request.prompt, add_special=request.add_special, parse_special=True
-                )
-            else:
-                request.prompt_tokens = list(request.prompt)
+            request.prompt_tokens = list(request.prompt)
             if not request.prompt_tokens:
                 raise InvalidRequestError("The prompt is empty.", param="messages")
             request.max_tokens = self._admission.plan(request)
-        except ButterError as error:
+        except Exception as exc:  # one request's problem is never the engine's
+            error = exc if isinstance(exc, ButterError) else InternalError()
+            if not isinstance(exc, ButterError):
+                log.exception("accepting a request failed")
             self.metrics.requests_rejected += 1
             request.phase = Phase.DONE
             self._outbox.put(request.channel, Failed(error))
@@ -433,7 +423,7 @@ class Engine:
             self._release(request)
             self._outbox.put(request.channel, Failed(error))
         self._waiting.clear()
-        self._drain_calls(error)
+        self._drain_inbox_on_stop(error)
         for session in self._sessions:
             session.tokens.clear()
         if self._runtime is not None:
@@ -441,13 +431,11 @@ class Engine:
             self._runtime = None
         self._update_gauges()
 
-    def _drain_calls(self, error: ButterError) -> None:
+    def _drain_inbox_on_stop(self, error: ButterError) -> None:
         while True:
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(message, _Call) and message.future.set_running_or_notify_cancel():
-                message.future.set_exception(error)
-            elif isinstance(message, _Submit):
+            if isinstance(message, _Submit):
                 self._outbox.put(message.request.channel, Failed(error))

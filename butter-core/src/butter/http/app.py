@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from litestar import Litestar, MediaType, Response, get
-from litestar.di import Provide
+from typing import Any
 
-from butter.http.common import Backend
+from litestar import Litestar, MediaType, Request, Response, get
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
+
+from butter.http.access import AccessPolicy, access_middleware
+from butter.http.common import MAX_BODY_BYTES, Backend
 from butter.http.errors import handle_exception
 from butter.http.openai import chat_completions
+from butter.http.schema import REQUEST_BODIES
 from butter.serving import ServeBackend
 
 ROUTES = (
@@ -17,12 +23,16 @@ ROUTES = (
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
+    ("GET", "/schema/openapi.json"),
 )
 
 
 @get("/health", media_type=MediaType.TEXT)
-async def health() -> str:
-    return "ok"
+async def health(backend: Backend) -> Response:
+    """``ok`` while the engine runs; 503 once it has stopped (the process is exiting)."""
+    if not backend.healthy:
+        return Response("engine stopped", status_code=503, media_type=MediaType.TEXT)
+    return Response("ok", media_type=MediaType.TEXT)
 
 
 @get("/v1/models")
@@ -35,7 +45,25 @@ async def metrics(backend: Backend) -> Response:
     return Response(backend.metrics_text(), media_type="text/plain; version=0.0.4")
 
 
-def create_app(backend: ServeBackend, *, close_backend_on_shutdown: bool = False) -> Litestar:
+class SchemaPlugin(JsonRenderPlugin):
+    """litestar's OpenAPI JSON, with the request bodies the routes read themselves."""
+
+    def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
+        return super().render(request, with_request_bodies(openapi_schema))
+
+
+def with_request_bodies(openapi_schema: dict[str, Any]) -> dict[str, Any]:
+    paths = dict(openapi_schema.get("paths", {}))
+    for path, body in REQUEST_BODIES.items():
+        if "post" in paths.get(path, {}):
+            post = dict(paths[path]["post"], requestBody={
+                "required": True, "content": {"application/json": {"schema": body}}})
+            paths[path] = dict(paths[path], post=post)
+    return dict(openapi_schema, paths=paths)
+
+
+def create_app(backend: ServeBackend, *, close_backend_on_shutdown: bool = False,
+               access: AccessPolicy | None = None) -> Litestar:
     """The HTTP surface of ``butter serve`` over ``backend``."""
     from butter.http.anthropic import count_tokens, messages
 
@@ -47,7 +75,10 @@ def create_app(backend: ServeBackend, *, close_backend_on_shutdown: bool = False
         route_handlers=[health, list_models, metrics, chat_completions, messages, count_tokens],
         dependencies={"backend": Provide(lambda: backend, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
+        middleware=[access_middleware(access or AccessPolicy())],
         on_shutdown=[on_shutdown],
-        openapi_config=None,
+        openapi_config=OpenAPIConfig(title="butter", version="0.1.0", path="/schema",
+                                     render_plugins=[SchemaPlugin()]),
+        request_max_body_size=MAX_BODY_BYTES,
         debug=False,
     )

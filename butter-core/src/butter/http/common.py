@@ -5,20 +5,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from typing import Any, AsyncIterator
 
 from litestar import Request
 from litestar.di import NamedDependency
+from litestar.exceptions import InternalServerException
 
 from butter.chat.request import parse_json_body
+from butter.errors import ClientDisconnectedError
 from butter.serving import Generation, ServeBackend
+
+log = logging.getLogger("butter.http")
 
 # Handlers receive the serve backend by name (`backend: Backend`).
 Backend = NamedDependency[ServeBackend]
 
 
+# One body limit for every route (litestar refuses larger bodies with 413).
+MAX_BODY_BYTES = 10 * 1024 * 1024
+
+
 async def read_json(request: Request) -> dict[str, Any]:
-    return parse_json_body(await request.body())
+    try:
+        raw = await request.body()
+    except InternalServerException:  # litestar's word for a client gone mid-upload
+        if request.is_connected:
+            raise
+        log.info("%s %s: the client went away before its body arrived", request.method,
+                 request.url.path)
+        raise ClientDisconnectedError() from None
+    return parse_json_body(raw)
 
 
 def sse(data: Any, *, event: str | None = None) -> bytes:

@@ -19,6 +19,7 @@ log = logging.getLogger("butter.http")
 ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",
@@ -60,5 +61,7 @@ def error_body(error: ButterError, path: str) -> dict:
 
 def handle_exception(request: Request, exc: Exception) -> Response:
     error = as_butter_error(exc)
+    # litestar's own headers (``Allow`` on a 405) go out with the error body.
+    headers = exc.headers if isinstance(exc, HTTPException) and exc.status_code < 500 else None
     return Response(content=error_body(error, request.url.path), status_code=error.status_code,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)
