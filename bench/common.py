@@ -114,9 +114,14 @@ def llama_server_command(port: int, plan: ServerPlan) -> list[str]:
     if not plan.llama_server.exists():
         raise SystemExit(f"{plan.llama_server} is missing: run bench/build_llama_server.sh")
     # -c is the whole cache; with an explicit -np each slot gets an equal c/np share.
-    return [str(plan.llama_server), "-m", str(model_path()), "-a", MODEL_ID,
-            "--host", "127.0.0.1", "--port", str(port), "-np", str(plan.parallel),
-            "-c", str(plan.parallel * plan.slot_context), "-t", str(plan.threads)]
+    command = [str(plan.llama_server), "-m", str(model_path()), "-a", MODEL_ID,
+               "--host", "127.0.0.1", "--port", str(port), "-np", str(plan.parallel),
+               "-c", str(plan.parallel * plan.slot_context), "-t", str(plan.threads)]
+    from butter_backend_gguf.native import cpu_has_amx
+
+    if cpu_has_amx():  # as butter does: ggml's AMX buffers segfault on prompts here
+        command.append("--no-repack")
+    return command
 
 
 def _wait_healthy(base: str, process: subprocess.Popen, log: Path) -> None:
