@@ -2,11 +2,18 @@
 
 import pytest
 
+from butter.backend import ForkKind, KVFacts, TruncateKind
 from butter.engine.admission import DEFAULT_MIN_COMPLETION, Admission, common_prefix
 from butter.engine.events import SyncChannel
 from butter.engine.records import GenerationParams, Request, Session
 from butter.engine.text import Detokenizer, StopMatcher
 from butter.errors import ContextLengthExceededError
+
+
+def kv(capacity: int, *, truncate=TruncateKind.ANYWHERE, window=None, token_bytes=4) -> KVFacts:
+    return KVFacts(budget_bytes=capacity * token_bytes, token_bytes=token_bytes,
+                   max_positions=capacity, fork=ForkKind.ALIAS, truncate=truncate,
+                   window=window)
 
 
 def request(tokens, max_tokens=None):
@@ -16,7 +23,7 @@ def request(tokens, max_tokens=None):
 
 
 def test_budget_explicit_default_and_refusal():
-    admission = Admission(capacity=1000, parallel=4)
+    admission = Admission(kv(1000), parallel=4)
     assert admission.plan(request(range(100), max_tokens=50)) == 50
     assert admission.plan(request(range(100))) == max(250 - 100, DEFAULT_MIN_COMPLETION)
     assert admission.plan(request(range(900))) == 100  # never past the context
@@ -30,12 +37,13 @@ def test_longest_prefix_then_least_recently_used():
     a = Session(seq_id=0, tokens=[1, 2, 3, 4], last_used=5)
     b = Session(seq_id=1, tokens=[1, 2, 9], last_used=1)
     c = Session(seq_id=2, tokens=[], last_used=0)
-    session, reuse = Admission.pick_session([a, b, c], [1, 2, 3, 4, 5], can_rewind=True)
+    admission = Admission(kv(100), parallel=1)
+    session, reuse = admission.pick_session([a, b, c], [1, 2, 3, 4, 5])
     assert session is a and reuse == 4
-    session, reuse = Admission.pick_session([a, b, c], [7, 8], can_rewind=True)
+    session, reuse = admission.pick_session([a, b, c], [7, 8])
     assert session is c and reuse == 0
     # The whole prompt cached: one token is left to prefill for fresh logits.
-    session, reuse = Admission.pick_session([a], [1, 2, 3, 4], can_rewind=True)
+    session, reuse = admission.pick_session([a], [1, 2, 3, 4])
     assert reuse == 3
 
 
@@ -50,13 +58,32 @@ def test_best_source_is_any_session_with_a_longer_prefix():
 
 def test_state_that_cannot_rewind_is_reused_only_as_a_whole_prefix():
     a = Session(seq_id=0, tokens=[1, 2, 3], last_used=1)
-    assert Admission.pick_session([a], [1, 2, 3, 4], can_rewind=False) == (a, 3)
-    assert Admission.pick_session([a], [1, 2, 7, 8], can_rewind=False)[1] == 0
-    assert Admission.pick_session([a], [1, 2, 3], can_rewind=False)[1] == 0
+    admission = Admission(kv(100, truncate=TruncateKind.NEVER), parallel=1)
+    assert admission.pick_session([a], [1, 2, 3, 4]) == (a, 3)
+    assert admission.pick_session([a], [1, 2, 7, 8])[1] == 0
+    assert admission.pick_session([a], [1, 2, 3])[1] == 0
+
+
+def test_a_window_can_be_cut_only_until_it_wraps():
+    windowed = Admission(kv(100, truncate=TruncateKind.UNTIL_WRAP, window=4), parallel=1)
+    short = Session(seq_id=0, tokens=[1, 2, 3], last_used=1)
+    wrapped = Session(seq_id=1, tokens=[1, 2, 3, 4, 5, 6], last_used=1)
+    assert windowed.pick_session([short], [1, 2, 9]) == (short, 2)
+    assert windowed.pick_session([wrapped], [1, 2, 3, 4, 5, 9])[1] == 0
+
+
+def test_costs_are_bytes_a_window_stops_growing_and_storage_grows_in_steps():
+    facts = KVFacts(budget_bytes=10_000, token_bytes=10, max_positions=4096,
+                    fork=ForkKind.COPY, truncate=TruncateKind.ANYWHERE, granule=256)
+    assert facts.cost(1) == facts.cost(256) == 2560 and facts.cost(257) == 5120
+    assert facts.capacity == 1000
+    windowed = KVFacts(budget_bytes=10_000, token_bytes=10, max_positions=4096,
+                       fork=ForkKind.NONE, truncate=TruncateKind.UNTIL_WRAP, window=100)
+    assert windowed.cost(5000) == windowed.cost(100) == 1000
 
 
 def test_make_room_evicts_idle_caches_lru_then_waits():
-    admission = Admission(capacity=100, parallel=2)
+    admission = Admission(kv(100), parallel=2)
     active = request(range(30), max_tokens=30)
     active.reservation = 60
     old = Session(seq_id=1, tokens=list(range(20)), last_used=1)

@@ -1,59 +1,95 @@
 """A fake loaded model and runtime for scheduler unit tests (no native library).
 
-Every pass "decodes" by returning one output per entry that wants logits; every
-sample is ``next_token``. ``fail_with`` makes the next pass raise it.
+The runtime keeps each session's tokens in a list, so a test sees exactly what the
+engine fed, cut, forked and dropped. Every draw is ``next_token``; ``fail_when``
+makes a step raise ``StepFailedError`` (nothing is appended, as the contract says).
 """
 
 from __future__ import annotations
 
-from butter.backend import ModelInfo
+import time
+from typing import Callable, Sequence
 
-INFO = ModelInfo(architecture="fake", n_ctx_train=256, chat_template=None, bos_token="",
-                 eos_token="", add_bos=False)
+from butter.backend import (
+    ForkKind,
+    KVFacts,
+    KVSpec,
+    ModelInfo,
+    StepFailedError,
+    TruncateKind,
+    Work,
+)
 
 
 class FakeSampler:
+    def __init__(self) -> None:
+        self.closed = False
+
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 class FakeRuntime:
-    def __init__(self, *, capacity: int, n_sessions: int, max_batch: int,
-                 micro_batch: int | None = None) -> None:
-        self.capacity = capacity
+    def __init__(self, *, kv: KVSpec, capacity: int, n_sessions: int, max_batch: int,
+                 options: dict, fork: ForkKind = ForkKind.ALIAS,
+                 truncate: TruncateKind = TruncateKind.ANYWHERE) -> None:
+        self.spec = kv
+        self.kv = KVFacts(budget_bytes=capacity * 2, token_bytes=2, max_positions=capacity,
+                          fork=fork, truncate=truncate)
         self.n_sessions = n_sessions
         self.max_batch = max_batch
-        self.micro_batch = micro_batch or 63
+        self.options = options
+        self.held: list[list[int]] = [[] for _ in range(n_sessions)]
+        self.steps: list[list[tuple[int, int]]] = []  # (session, tokens fed) per step
+        self.forks: list[tuple[int, int, int]] = []
         self.next_token = 7
-        self.fail_with: BaseException | None = None
-        self.passes = 0
+        self.fork_works = True
+        self.fail_when: Callable[[Sequence[Work]], bool] = lambda work: False
+        self.fail_with: BaseException | None = None  # raised as is (not a StepFailedError)
+        self.delay = 0.0  # seconds each step takes, to keep a request busy
 
-    def decode(self, entries) -> list[int]:
-        self.passes += 1
+    def step(self, work: Sequence[Work]) -> list[int | None]:
+        time.sleep(self.delay)
         if self.fail_with is not None:
             raise self.fail_with
-        return [i for i, entry in enumerate(entries) if entry.wants_logits]
+        if self.fail_when(work):
+            raise StepFailedError("scripted failure")
+        self.steps.append([(item.session, len(item.tokens)) for item in work])
+        for item in work:
+            self.held[item.session].extend(item.tokens)
+        return [self.next_token if item.sampler is not None else None for item in work]
 
     def new_sampler(self, params) -> FakeSampler:
         return FakeSampler()
 
-    def sample(self, sampler, output_index: int) -> int:
-        return self.next_token
-
-    def forget(self, seq_id: int, start: int) -> bool:
+    def truncate(self, session: int, keep: int) -> bool:
+        if not self.kv.can_truncate(len(self.held[session]), keep):
+            return False
+        del self.held[session][keep:]
         return True
 
-    def share(self, source_seq: int, target_seq: int, length: int) -> bool:
+    def fork(self, source: int, target: int, length: int) -> bool:
+        if self.kv.fork is ForkKind.NONE or not self.fork_works:
+            return False
+        self.held[target] = self.held[source][:length]
+        self.forks.append((source, target, length))
         return True
+
+    def describe(self) -> dict[str, object]:
+        return {"fake": True}
 
     def close(self) -> None:
         pass
 
 
 class FakeModel:
-    info = INFO
+    """A loaded model whose runtime is a :class:`FakeRuntime` with the given kinds."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, fusable: bool = True, fork: ForkKind = ForkKind.ALIAS,
+                 truncate: TruncateKind = TruncateKind.ANYWHERE) -> None:
+        self.info = ModelInfo(architecture="fake", n_ctx_train=256, chat_template=None,
+                              bos_token="", eos_token="", add_bos=False, fusable=fusable)
+        self._kinds = {"fork": fork, "truncate": truncate}
         self.runtime: FakeRuntime | None = None
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
@@ -66,7 +102,7 @@ class FakeModel:
         return False
 
     def create_runtime(self, **options) -> FakeRuntime:
-        self.runtime = FakeRuntime(**options)
+        self.runtime = FakeRuntime(**options, **self._kinds)
         return self.runtime
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from butter.backend import BatchEntry, SamplingParams
+from butter.backend import ForkKind, KVSpec, SamplingParams, Work
 from butter.library import default_plugins
 
 PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
@@ -25,17 +25,27 @@ def loaded(request):
     model.close()
 
 
-def greedy(runtime, model, seq_id, tokens, n):
-    out = runtime.decode([BatchEntry(seq_id, tokens, 0, True)])
-    sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
-    generated, position = [], len(tokens)
-    for _ in range(n):
-        token = runtime.sample(sampler, out[0])
-        generated.append(token)
-        out = runtime.decode([BatchEntry(seq_id, (token,), position, True)])
-        position += 1
-    sampler.close()
-    return generated
+def runtime_of(loaded, *, capacity: int, n_sessions: int, max_batch: int):
+    return loaded.create_runtime(kv=KVSpec(), capacity=capacity, n_sessions=n_sessions,
+                                 max_batch=max_batch, options={})
+
+
+def greedy_sampler(runtime):
+    return runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
+
+
+def greedy(runtime, session, tokens, n):
+    """Prefill ``tokens`` into ``session`` and draw ``n`` greedy tokens."""
+    sampler = greedy_sampler(runtime)
+    try:
+        (token,) = runtime.step([Work(session, tokens, sampler)])
+        generated = [token]
+        while len(generated) < n:
+            (token,) = runtime.step([Work(session, (token,), sampler)])
+            generated.append(token)
+        return generated
+    finally:
+        sampler.close()
 
 
 def test_model_facts(loaded):
@@ -55,54 +65,71 @@ def test_tokenizer_round_trip_and_special_tokens(loaded):
 
 
 def test_sessions_are_independent_and_rewindable(loaded):
-    runtime = loaded.create_runtime(capacity=512, n_sessions=2, max_batch=128)
+    runtime = runtime_of(loaded, capacity=512, n_sessions=2, max_batch=128)
     try:
         tokens = loaded.tokenize(PROMPT, add_special=False, parse_special=True)
-        first = greedy(runtime, loaded, 0, tokens, 8)
+        first = greedy(runtime, 0, tokens, 8)
         assert "Paris" in b"".join(loaded.token_piece(t) for t in first).decode()
-        # A second session gives the same answer; forgetting and redoing session 0 too.
-        assert greedy(runtime, loaded, 1, tokens, 8) == first
-        assert runtime.forget(0, 0)
-        assert greedy(runtime, loaded, 0, tokens, 8) == first
-        # Fused: both sessions' next tokens in one pass give one output each.
-        outputs = runtime.decode([BatchEntry(0, (first[0],), len(tokens) + 8, True),
-                                  BatchEntry(1, (first[0],), len(tokens) + 8, True)])
-        assert len(outputs) == 2
-    finally:
-        runtime.close()
-
-
-def test_a_shared_prefix_answers_like_its_source(loaded):
-    runtime = loaded.create_runtime(capacity=512, n_sessions=2, max_batch=128)
-    try:
-        tokens = loaded.tokenize(PROMPT, add_special=False, parse_special=True)
-        first = greedy(runtime, loaded, 0, tokens, 8)
-        # Session 1 gets session 0's cells for all but the last prompt token, then
-        # prefills that one token itself: the same greedy answer follows.
-        assert runtime.share(0, 1, len(tokens) - 1)
-        out = runtime.decode([BatchEntry(1, tokens[-1:], len(tokens) - 1, True)])
-        sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
-        assert runtime.sample(sampler, out[0]) == first[0]
-        # Dropping the source leaves the shared cells to session 1: its answer goes on.
-        assert runtime.forget(0, 0)
-        out = runtime.decode([BatchEntry(1, (first[0],), len(tokens), True)])
-        assert runtime.sample(sampler, out[0]) == first[1]
+        # A second session gives the same answer; dropping and redoing session 0 too.
+        assert greedy(runtime, 1, tokens, 8) == first
+        assert runtime.truncate(0, 0)
+        assert greedy(runtime, 0, tokens, 8) == first
+        # Cut back to the prompt less one token, then the answer follows again.
+        assert runtime.truncate(0, len(tokens) - 1)
+        assert greedy(runtime, 0, tokens[-1:], 3) == first[:3]
+        # Fused: both sessions' next tokens in one step give one token each.
+        sampler = greedy_sampler(runtime)
+        drawn = runtime.step([Work(0, (first[2],), sampler), Work(1, (first[7],), sampler)])
+        assert len(drawn) == 2 and all(isinstance(t, int) for t in drawn)
+        assert runtime.step([Work(0, (first[3],))]) == [None]  # fed, nothing drawn
         sampler.close()
     finally:
         runtime.close()
 
 
+def test_a_forked_prefix_answers_like_its_source(loaded):
+    runtime = runtime_of(loaded, capacity=512, n_sessions=3, max_batch=128)
+    try:
+        tokens = loaded.tokenize(PROMPT, add_special=False, parse_special=True)
+        first = greedy(runtime, 0, tokens, 8)
+        # Session 1 forks session 0's prompt less its last token, then prefills that token
+        # itself: the same greedy answer follows.
+        assert runtime.fork(0, 1, len(tokens) - 1)
+        assert greedy(runtime, 1, tokens[-1:], 2) == first[:2]
+        # Dropping the source leaves the forked prefix to session 1: its answer goes on.
+        assert runtime.truncate(0, 0)
+        assert greedy(runtime, 1, (first[1],), 2) == first[2:4]
+        # A fork replaces whatever the target held.
+        greedy(runtime, 2, tokens[:5], 1)
+        assert runtime.fork(1, 2, len(tokens) - 1)
+        assert greedy(runtime, 2, tokens[-1:], 2) == first[:2]
+        assert runtime.kv.fork is not ForkKind.NONE
+    finally:
+        runtime.close()
+
+
+def test_kv_facts_count_bytes(loaded):
+    runtime = runtime_of(loaded, capacity=512, n_sessions=1, max_batch=64)
+    try:
+        facts = runtime.kv
+        assert facts.token_bytes > 0 and facts.max_positions >= 512
+        assert facts.budget_bytes >= 512 * facts.token_bytes
+        assert facts.cost(100) >= 100 * facts.token_bytes
+    finally:
+        runtime.close()
+
+
 def test_seeded_sampling_repeats_and_seeds_matter(loaded):
-    runtime = loaded.create_runtime(capacity=256, n_sessions=1, max_batch=64)
+    runtime = runtime_of(loaded, capacity=256, n_sessions=1, max_batch=64)
     try:
         tokens = loaded.tokenize("<|im_start|>user\nSay a word.<|im_end|>\n<|im_start|>"
                                  "assistant\n", add_special=False, parse_special=True)
-        out = runtime.decode([BatchEntry(0, tokens, 0, True)])
 
         def draw(seed):
             sampler = runtime.new_sampler(SamplingParams(temperature=1.5, top_p=1.0, seed=seed))
             try:
-                return runtime.sample(sampler, out[0])
+                runtime.truncate(0, 0)
+                return runtime.step([Work(0, tokens, sampler)])[0]
             finally:
                 sampler.close()
 

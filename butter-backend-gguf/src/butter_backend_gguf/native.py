@@ -11,12 +11,21 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import llama_cpp as ll
 
-from butter.backend import BatchEntry, DecodeFailedError, ModelInfo, SamplingParams
-from butter.errors import ModelLoadError
+from butter.backend import (
+    ForkKind,
+    KVFacts,
+    KVSpec,
+    ModelInfo,
+    SamplingParams,
+    StepFailedError,
+    TruncateKind,
+    Work,
+)
+from butter.errors import InvalidRequestError, ModelLoadError
 from butter.resolve import ResolvedModel
 
 log = logging.getLogger("butter.gguf")
@@ -163,10 +172,18 @@ class GGUFModel:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self._vocab, token))
 
-    def create_runtime(self, *, capacity: int, n_sessions: int, max_batch: int,
-                       micro_batch: int | None = None) -> "GGUFRuntime":
-        return GGUFRuntime(self, capacity=capacity, n_sessions=n_sessions, max_batch=max_batch,
-                           micro_batch=micro_batch)
+    def create_runtime(self, *, kv: KVSpec, capacity: int, n_sessions: int, max_batch: int,
+                       options: Mapping[str, object]) -> "GGUFRuntime":
+        return GGUFRuntime(self, kv=kv, capacity=capacity, n_sessions=n_sessions,
+                           max_batch=max_batch, options=options)
+
+    def kv_token_bytes(self, element_bytes: int) -> int:
+        """Bytes one token's keys and values take across every layer."""
+        handle = self.handle
+        n_head = int(ll.llama_model_n_head(handle))
+        head_dim = int(ll.llama_model_n_embd(handle)) // max(n_head, 1)
+        kv_width = head_dim * int(ll.llama_model_n_head_kv(handle))
+        return int(ll.llama_model_n_layer(handle)) * 2 * kv_width * element_bytes
 
     @property
     def handle(self):
@@ -214,23 +231,23 @@ class BatchBuilder:
     def clear(self) -> None:
         self.n_tokens = 0
 
-    def add(self, entry: BatchEntry) -> int:
-        """Write the entry's tokens; return the batch index of its last token."""
-        count = len(entry.tokens)
+    def add(self, seq_id: int, tokens: Sequence[int], position: int, wants_logits: bool) -> int:
+        """Write consecutive tokens of one sequence; return the batch index of the last."""
+        count = len(tokens)
         if count == 0 or self.n_tokens + count > self.capacity:
-            raise DecodeFailedError(
+            raise StepFailedError(
                 f"batch overflow: {self.n_tokens} + {count} tokens > capacity {self.capacity}"
             )
         batch, start = self.batch, self.n_tokens
-        for offset, token in enumerate(entry.tokens):
+        for offset, token in enumerate(tokens):
             index = start + offset
             batch.token[index] = token
-            batch.pos[index] = entry.position + offset
+            batch.pos[index] = position + offset
             batch.n_seq_id[index] = 1
-            batch.seq_id[index][0] = entry.seq_id
+            batch.seq_id[index][0] = seq_id
             batch.logits[index] = 0
         last = start + count - 1
-        batch.logits[last] = 1 if entry.wants_logits else 0
+        batch.logits[last] = 1 if wants_logits else 0
         self.n_tokens = start + count
         batch.n_tokens = self.n_tokens
         return last
@@ -241,11 +258,25 @@ class BatchBuilder:
             self.batch = None
 
 
-class GGUFRuntime:
-    """One llama.cpp context: a unified KV shared by every session (one seq id each)."""
+OPTIONS = frozenset({"micro_batch"})
+F16_BYTES = 2
 
-    def __init__(self, model: GGUFModel, *, capacity: int, n_sessions: int, max_batch: int,
-                 micro_batch: int | None = None) -> None:
+
+class GGUFRuntime:
+    """One llama.cpp context: a unified KV shared by every session (one seq id each).
+
+    Forks alias cells (``llama_memory_seq_cp`` tags them, nothing is copied), so they
+    cost no bytes; recurrent, hybrid and sliding-window models neither fork nor cut.
+    """
+
+    def __init__(self, model: GGUFModel, *, kv: KVSpec, capacity: int, n_sessions: int,
+                 max_batch: int, options: Mapping[str, object]) -> None:
+        unknown = set(options) - OPTIONS
+        if unknown:
+            raise InvalidRequestError(f"The GGUF back end has no option {sorted(unknown)}.")
+        if kv != KVSpec():
+            raise InvalidRequestError("The GGUF back end stores the KV cache raw, unwindowed.")
+        micro_batch = options.get("micro_batch")
         params = ll.llama_context_default_params()
         params.n_ctx = capacity
         params.n_batch = max_batch
@@ -254,7 +285,7 @@ class GGUFRuntime:
         # for micro-batches of 2..63 rows; at 64 rows and more every row of the pass goes
         # through a tiled kernel whose sums depend on where other sessions' cells sit. The
         # tiled kernel prefills long prompts faster: ``--ubatch-size 512`` picks it.
-        params.n_ubatch = min(max_batch, micro_batch or FA_ROW_BY_ROW_MAX_ROWS)
+        params.n_ubatch = min(max_batch, int(micro_batch or FA_ROW_BY_ROW_MAX_ROWS))
         params.n_seq_max = n_sessions
         params.n_threads = model.threads
         params.n_threads_batch = model.threads
@@ -264,38 +295,65 @@ class GGUFRuntime:
         ctx = ll.llama_init_from_model(model.handle, params)
         if not ctx:
             reason = "; ".join(_recent_errors) or "llama.cpp could not create a context"
-            raise DecodeFailedError(reason)
+            raise StepFailedError(reason)
         self._ctx = ctx
         self._memory = ll.llama_get_memory(ctx)
-        self.capacity = int(ll.llama_n_ctx(ctx))
         self.micro_batch = int(ll.llama_n_ubatch(ctx))
+        self.threads = model.threads
         self.n_sessions = n_sessions
         self.max_batch = max_batch
+        self._lengths = [0] * n_sessions
         self._builder = BatchBuilder(max_batch)
+        positions = int(ll.llama_n_ctx(ctx))
+        token_bytes = model.kv_token_bytes(F16_BYTES)
+        rewinds = model.info.can_rewind
+        self.kv = KVFacts(budget_bytes=positions * token_bytes, token_bytes=token_bytes,
+                          max_positions=positions,
+                          fork=ForkKind.ALIAS if rewinds else ForkKind.NONE,
+                          truncate=TruncateKind.ANYWHERE if rewinds else TruncateKind.NEVER)
 
-    def decode(self, entries: Sequence[BatchEntry]) -> list[int]:
+    def step(self, work: Sequence[Work]) -> list[int | None]:
         builder = self._builder
         builder.clear()
-        outputs = [builder.add(entry) for entry in entries]
+        outputs = [builder.add(item.session, item.tokens, self._lengths[item.session],
+                               item.sampler is not None) for item in work]
         rc = ll.llama_decode(self._ctx, builder.batch)
         if rc != 0:
+            for item in work:  # nothing of a failed step stays in the cache
+                ll.llama_memory_seq_rm(self._memory, item.session, self._lengths[item.session],
+                                       -1)
             outcome = DECODE_OUTCOMES.get(rc, f"fatal error {rc}")
-            raise DecodeFailedError(f"llama_decode failed: {outcome}")
-        return [index for index, entry in zip(outputs, entries) if entry.wants_logits]
+            raise StepFailedError(f"llama_decode failed: {outcome}")
+        for item in work:
+            self._lengths[item.session] += len(item.tokens)
+        return [
+            int(ll.llama_sampler_sample(item.sampler.chain, self._ctx, index))
+            if item.sampler is not None else None
+            for item, index in zip(work, outputs)
+        ]
 
     def new_sampler(self, params: SamplingParams) -> GGUFSampler:
         return GGUFSampler(params)
 
-    def sample(self, sampler: GGUFSampler, output_index: int) -> int:
-        return int(ll.llama_sampler_sample(sampler.chain, self._ctx, output_index))
-
-    def forget(self, seq_id: int, start: int) -> bool:
-        return bool(ll.llama_memory_seq_rm(self._memory, seq_id, start, -1))
-
-    def share(self, source_seq: int, target_seq: int, length: int) -> bool:
-        # One unified KV: the cells gain the target's sequence id, nothing is copied.
-        ll.llama_memory_seq_cp(self._memory, source_seq, target_seq, 0, length)
+    def truncate(self, session: int, keep: int) -> bool:
+        if keep >= self._lengths[session]:
+            return True
+        if not ll.llama_memory_seq_rm(self._memory, session, keep, -1):
+            return False
+        self._lengths[session] = keep
         return True
+
+    def fork(self, source: int, target: int, length: int) -> bool:
+        if self.kv.fork is ForkKind.NONE or length > self._lengths[source]:
+            return False
+        # One unified KV: the cells gain the target's sequence id, nothing is copied.
+        ll.llama_memory_seq_rm(self._memory, target, 0, -1)
+        ll.llama_memory_seq_cp(self._memory, source, target, 0, length)
+        self._lengths[target] = length
+        return True
+
+    def describe(self) -> dict[str, object]:
+        return {"micro_batch": self.micro_batch, "threads": self.threads}
 
     def close(self) -> None:
         self._builder.close()

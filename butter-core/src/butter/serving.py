@@ -131,7 +131,7 @@ class ButterServeBackend:
         capacity = max_context or model.info.n_ctx_train
         self.engine = model.start_engine(EngineConfig(
             parallel=maximum_concurrent_requests, capacity=capacity, prefill_chunk=prefill_chunk,
-            micro_batch=micro_batch,
+            options={"micro_batch": micro_batch} if micro_batch else {},
         ))
 
     @property
@@ -157,7 +157,7 @@ class ButterServeBackend:
                 "n_ctx_train": info.n_ctx_train,
                 "parallel": self.engine.config.parallel,
                 "fused_batching": self.engine.fused,
-                "micro_batch": self.engine.micro_batch,
+                **self.engine.runtime_facts,
                 "path": str(self.model.resolved.path),
             },
         }

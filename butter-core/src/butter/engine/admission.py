@@ -1,26 +1,28 @@
 """Admission: what a request may reserve, which session it leases, what gets evicted.
 
-Accounting, in KV cells of the one shared cache (``capacity``):
+Accounting is in the runtime's KV bytes (:class:`~butter.backend.KVFacts`), so a
+quantized or windowed cache admits more, and a copied fork costs what it copies:
 
-- an active request reserves ``prompt + max_tokens`` cells (its reused prefix
-  included: those cells are already held by its session, so they cost nothing new);
-- an idle session holds ``len(session.tokens)`` cells until it is evicted;
-- a prefix copied from another session shares that session's cells (no new cell is
-  taken), but it is counted for both: the accounting errs on the safe side;
-- a request is installed only when active reservations + its own + the cells of
-  the idle sessions that stay cached fit in ``capacity``. Idle caches are evicted
+- an active request reserves ``kv.cost(prompt + max_tokens)`` (its reused prefix
+  included: those tokens are already held by its session, so they cost nothing new);
+- an idle session holds ``kv.cost(len(session.tokens))`` until it is evicted;
+- a prefix taken from another session is counted for both holders, whether the
+  runtime aliases it or copies it: the accounting errs on the safe side;
+- a request is installed only when active reservations + its own + what the idle
+  sessions that stay cached hold fit in ``kv.budget_bytes``. Idle caches are evicted
   least recently used first; if even that is not enough, the request waits.
 
 Default completion budget when the client sends no ``max_tokens``: the request's
 share of the cache (``capacity // parallel``, as llama-server splits its context
 into slots) minus the prompt, but at least ``DEFAULT_MIN_COMPLETION`` tokens, and
-never more than what the cache can hold next to the prompt.
+never more than what one session can hold next to the prompt.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from butter.backend import KVFacts
 from butter.engine.records import Request, Session
 from butter.errors import ContextLengthExceededError
 
@@ -36,46 +38,48 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Admission:
-    def __init__(self, capacity: int, parallel: int) -> None:
-        self.capacity = capacity
+    def __init__(self, kv: KVFacts, parallel: int) -> None:
+        self.kv = kv
         self.parallel = parallel
+
+    @property
+    def capacity(self) -> int:
+        """The longest prompt + completion one request may ask for, in tokens."""
+        return self.kv.capacity
 
     def plan(self, request: Request) -> int:
         """The request's completion budget; raise if it can never fit."""
         prompt = len(request.prompt_tokens)
         asked = request.params.max_tokens
+        capacity = self.capacity
         if asked is not None:
-            if prompt + asked > self.capacity:
+            if prompt + asked > capacity:
                 raise ContextLengthExceededError(
-                    prompt_tokens=prompt, requested_tokens=asked, context_window=self.capacity
+                    prompt_tokens=prompt, requested_tokens=asked, context_window=capacity
                 )
             return asked
-        room = self.capacity - prompt
+        room = capacity - prompt
         if room < 1:
             raise ContextLengthExceededError(
-                prompt_tokens=prompt, requested_tokens=1, context_window=self.capacity
+                prompt_tokens=prompt, requested_tokens=1, context_window=capacity
             )
-        share = self.capacity // self.parallel - prompt
+        share = capacity // self.parallel - prompt
         return min(room, max(share, DEFAULT_MIN_COMPLETION))
 
-    @staticmethod
     def pick_session(
-        idle: Sequence[Session], prompt: Sequence[int], *, can_rewind: bool
+        self, idle: Sequence[Session], prompt: Sequence[int]
     ) -> tuple[Session | None, int]:
         """The idle session with the longest reusable prefix (then least recently used).
 
         At least one prompt token is always left to prefill, so the last position
-        produces fresh logits. A session that cannot rewind is reusable only when
-        its whole cache is a prefix of the prompt.
+        produces fresh logits. A cache that cannot be cut where the prompt departs
+        from it (recurrent state, a wrapped window) is reusable only whole.
         """
         best: Session | None = None
         best_reuse = -1
         for session in sorted(idle, key=lambda s: s.last_used):
-            shared = common_prefix(session.tokens, prompt)
-            if not can_rewind and shared < len(session.tokens):
-                shared = 0
-            reuse = min(shared, len(prompt) - 1)
-            if not can_rewind and reuse < len(session.tokens):
+            reuse = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
+            if not self.kv.can_truncate(len(session.tokens), reuse):
                 reuse = 0
             if reuse > best_reuse:
                 best, best_reuse = session, reuse
@@ -108,15 +112,16 @@ class Admission:
         """Idle sessions to evict so ``request`` fits, or None if it must wait."""
         if session is None:
             return None
-        reserved = sum(r.reservation for r in active) + request.reservation
+        cost, budget = self.kv.cost, self.kv.budget_bytes
+        reserved = sum(cost(r.reservation) for r in active) + cost(request.reservation)
         others = sorted((s for s in idle if s is not session and s.tokens), key=lambda s: s.last_used)
-        held = sum(len(s.tokens) for s in others)
+        held = sum(cost(len(s.tokens)) for s in others)
         evict: list[Session] = []
         for victim in others:
-            if reserved + held <= self.capacity:
+            if reserved + held <= budget:
                 break
             evict.append(victim)
-            held -= len(victim.tokens)
-        if reserved + held > self.capacity:
+            held -= cost(len(victim.tokens))
+        if reserved + held > budget:
             return None
         return evict

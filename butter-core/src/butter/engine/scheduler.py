@@ -23,7 +23,15 @@ import time
 
 import attrs
 
-from butter.backend import BatchEntry, DecodeFailedError, LoadedModel, Runtime, SamplingParams
+from butter.backend import (
+    ForkKind,
+    KVSpec,
+    LoadedModel,
+    Runtime,
+    SamplingParams,
+    StepFailedError,
+    Work,
+)
 from butter.engine.admission import Admission
 from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta, Usage
 from butter.engine.metrics import Metrics
@@ -43,7 +51,9 @@ class EngineConfig:
     n_sessions: int = 0
     max_batch: int = 512
     prefill_chunk: int = 256
-    micro_batch: int | None = None  # rows per native micro-batch; None: the back end's choice
+    kv: KVSpec = KVSpec()
+    # The back end's own knobs (GGUF: micro_batch), passed through untouched.
+    options: dict = attrs.field(factory=dict)
 
     @property
     def sessions(self) -> int:
@@ -98,9 +108,9 @@ class Engine:
         return self._admission.capacity if self._admission else self.config.capacity
 
     @property
-    def micro_batch(self) -> int | None:
-        """Rows per native micro-batch, as the back end settled it."""
-        return self._runtime.micro_batch if self._runtime else self.config.micro_batch
+    def runtime_facts(self) -> dict[str, object]:
+        """What the back end settled (micro-batch rows...), for the model card."""
+        return self._runtime.describe() if self._runtime else {}
 
     @property
     def alive(self) -> bool:
@@ -129,15 +139,16 @@ class Engine:
     def _run(self) -> None:
         try:
             self._runtime = self.model.create_runtime(
+                kv=self.config.kv,
                 capacity=self.config.capacity,
                 n_sessions=self.config.sessions,
                 max_batch=self.config.max_batch,
-                micro_batch=self.config.micro_batch,
+                options=self.config.options,
             )
             self._sessions = [Session(seq_id=i) for i in range(self._runtime.n_sessions)]
-            self._admission = Admission(self._runtime.capacity, self.config.parallel)
+            self._admission = Admission(self._runtime.kv, self.config.parallel)
             self.metrics.sessions_total = len(self._sessions)
-            self.metrics.kv_capacity_cells = self._runtime.capacity
+            self.metrics.kv_capacity_cells = self._admission.capacity
         except BaseException as exc:  # surfaced by start()
             self._start_error = exc
             self._ready.set()
@@ -222,9 +233,7 @@ class Engine:
         while self._waiting and len(self._active) < self.config.parallel:
             request = self._waiting[0]
             idle = [s for s in self._sessions if s.idle]
-            session, reuse = admission.pick_session(
-                idle, request.prompt_tokens, can_rewind=self.model.info.can_rewind
-            )
+            session, reuse = admission.pick_session(idle, request.prompt_tokens)
             evict = admission.make_room(request, session, self._active, idle)
             if evict is None:
                 if not self._active:  # cannot happen after plan(); never spin on it
@@ -234,7 +243,7 @@ class Engine:
                     continue
                 return  # the head waits for capacity; FIFO keeps everyone behind it
             for victim in evict:
-                self._runtime.forget(victim.seq_id, 0)
+                self._runtime.truncate(victim.seq_id, 0)
                 victim.tokens.clear()
             self._waiting.popleft()
             try:
@@ -247,12 +256,11 @@ class Engine:
         session.request = request  # leased first: _fail can release it from here on
         request.session = session
         if len(session.tokens) > reuse:
-            if not self._runtime.forget(session.seq_id, reuse):
-                self._runtime.forget(session.seq_id, 0)
+            if not self._runtime.truncate(session.seq_id, reuse):
+                self._runtime.truncate(session.seq_id, 0)
                 reuse = 0
             del session.tokens[reuse:]
-        if self.model.info.can_rewind:
-            reuse = self._share_prefix(request, session, reuse)
+        reuse = self._share_prefix(request, session, reuse)
         request.cached_tokens = reuse
         request.next_prefill = reuse
         request.phase = Phase.PREFILL
@@ -267,32 +275,29 @@ class Engine:
     def _share_prefix(self, request: Request, session: Session, reuse: int) -> int:
         """Take a longer cached prefix from another session, busy or idle, if one has it.
 
-        Concurrent requests with one system prompt then prefill it once: the leased
-        session's cells are dropped and the source's cells for that prefix are shared
-        with it (``llama_memory_seq_cp`` on the unified KV: no copy, no compute).
+        Concurrent requests with one system prompt then prefill it once. How much a
+        fork costs is the runtime's business (GGUF aliases cells; MLX copies them);
+        a fork that fails leaves the leased session with what it had.
         """
+        if self._runtime.kv.fork is ForkKind.NONE:
+            return reuse
         others = [s for s in self._sessions if s is not session and s.tokens]
         source, shared = self._admission.best_source(others, request.prompt_tokens,
                                                      better_than=reuse)
-        if source is None:
+        if source is None or not self._runtime.fork(source.seq_id, session.seq_id, shared):
             return reuse
-        self._runtime.forget(session.seq_id, 0)
-        session.tokens.clear()
-        if not self._runtime.share(source.seq_id, session.seq_id, shared):
-            return 0
-        session.tokens.extend(source.tokens[:shared])
+        session.tokens[:] = source.tokens[:shared]
         return shared
 
     # ---- one model pass ------------------------------------------------------------
 
-    def _plan_batch(self) -> list[tuple[Request, BatchEntry]]:
-        plan: list[tuple[Request, BatchEntry]] = []
+    def _plan_batch(self) -> list[tuple[Request, Work]]:
+        plan: list[tuple[Request, Work]] = []
         prefilling: list[Request] = []
         for request in self._active:
             if request.phase is Phase.DECODE:
-                entry = BatchEntry(request.session.seq_id, (request.last_token,),
-                                   len(request.session.tokens), True)
-                plan.append((request, entry))
+                plan.append((request, Work(request.session.seq_id, (request.last_token,),
+                                           request.sampler)))
             else:
                 prefilling.append(request)
         budget = self._runtime.max_batch - len(plan)
@@ -302,57 +307,56 @@ class Engine:
             for request in prefilling[:budget]:
                 start = request.next_prefill
                 end = min(start + chunk, len(request.prompt_tokens))
-                entry = BatchEntry(request.session.seq_id, request.prompt_tokens[start:end], start,
-                                   end == len(request.prompt_tokens))
-                plan.append((request, entry))
+                last = end == len(request.prompt_tokens)
+                plan.append((request, Work(request.session.seq_id,
+                                           request.prompt_tokens[start:end],
+                                           request.sampler if last else None)))
         return plan
 
     def _step(self) -> None:
         plan = self._plan_batch()
         if not plan:
             return
+        decoding = any(request.phase is Phase.DECODE for request, _ in plan)
         if self.fused:
-            outputs = self._decode([entry for _, entry in plan], [r for r, _ in plan])
-            if outputs is None:
-                return
+            self._run_work(plan)
         else:  # independent bounded sessions: one model pass each
-            outputs = []
-            for request, entry in plan:
-                result = self._decode([entry], [request])
-                if result is None:
-                    self._fail([r for r, _ in plan if r.phase is not Phase.DONE])
-                    return
-                outputs.extend(result)
-        outputs_iter = iter(outputs)
-        decoded = False
-        for request, entry in plan:
-            request.session.tokens.extend(entry.tokens)
-            if request.phase is Phase.PREFILL:
-                request.next_prefill += len(entry.tokens)
-                self.metrics.prefill_chunks += 1
-                self.metrics.prefill_tokens += len(entry.tokens)
-            else:
-                decoded = True
-            if entry.wants_logits:
-                token = self._runtime.sample(request.sampler, next(outputs_iter))
-                self._on_token(request, token)
-        if decoded:
+            for item in plan:
+                self._run_work([item])
+        if decoding:
             self.metrics.decode_steps += 1
 
-    def _decode(self, entries: list[BatchEntry], owners: list[Request]) -> list[int] | None:
+    def _run_work(self, plan: list[tuple[Request, Work]]) -> None:
+        """One step of ``plan``; a failing step is retried in halves, as llama-server
+        does, so only the request that cannot run fails."""
         self.metrics.model_passes += 1
         try:
-            return self._runtime.decode(entries)
-        except DecodeFailedError as exc:
-            log.error("model pass failed: %s", exc)
-            self._fail(list(dict.fromkeys(owners)))
-            return None
+            tokens = self._runtime.step([work for _, work in plan])
+        except StepFailedError as exc:
+            if len(plan) == 1:
+                log.error("model pass failed: %s", exc)
+                self._fail([plan[0][0]])
+                return
+            log.warning("model pass of %d sessions failed (%s); retrying in halves",
+                        len(plan), exc)
+            half = len(plan) // 2
+            self._run_work(plan[:half])
+            self._run_work(plan[half:])
+            return
+        for (request, work), token in zip(plan, tokens):
+            request.session.tokens.extend(work.tokens)
+            if request.phase is Phase.PREFILL:
+                request.next_prefill += len(work.tokens)
+                self.metrics.prefill_chunks += 1
+                self.metrics.prefill_tokens += len(work.tokens)
+            if token is not None:
+                self._on_token(request, token)
 
     def _fail(self, requests: list[Request]) -> None:
         """End ``requests`` with an internal error and drop their (now unknown) KV."""
         for request in requests:
             with contextlib.suppress(Exception):
-                self._runtime.forget(request.session.seq_id, 0)
+                self._runtime.truncate(request.session.seq_id, 0)
             request.session.tokens.clear()
             self.metrics.requests_failed += 1
             self._release(request)
