@@ -1,7 +1,8 @@
 """How often does a request's answer change when it runs fused with seven others?
 
 For each server (butter ``--parallel 8``, then llama-server ``-np 8``) this sends a set
-of prompts, short (~40 tokens) and long (~300-700 tokens: once a lone row attends over 512+ KV cells, ggml's CPU flash
+of prompts, short (~40 tokens) and long (~300-700 tokens: once a lone row attends over
+512+ KV cells, ggml's CPU flash
 attention splits its keys across threads; a llama-server slot gets there past 256
 tokens, butter's shared cache counts every session's cells):
 
@@ -23,12 +24,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from pathlib import Path
 
 import httpx
-
-from common import (MODEL_ID, ServerPlan, add_common_arguments, console, log_dir,
-                    running_server, save_json, server_order)
+from common import (
+    MODEL_ID,
+    ServerPlan,
+    add_common_arguments,
+    console,
+    log_dir,
+    running_server,
+    save_json,
+    server_order,
+)
 from concurrency import long_text
 
 SHORT = ("Describe a lighthouse keeper's morning.", "Explain how bread rises.",
@@ -74,11 +81,13 @@ async def probe(url: str, args: argparse.Namespace) -> dict:
         for round_index in range(args.rounds):
             texts = prompts(round_index)
             for mode, sampling in MODES.items():
-                ask = lambda p: complete(client, url, p, args.max_tokens, sampling)  # noqa: E731
+                def ask(p, sampling=sampling):
+                    return complete(client, url, p, args.max_tokens, sampling)
+
                 alone = [await ask(p) for p in texts]
                 fused = await asyncio.gather(*(ask(p) for p in texts))
                 again = [await ask(p) for p in texts]
-                for index, prompt in enumerate(texts):
+                for index in range(len(texts)):
                     results[mode].append({
                         "prompt": "long" if index >= len(SHORT) else "short",
                         "fused_diff_at": first_difference(alone[index], fused[index]),
@@ -115,11 +124,13 @@ def main() -> None:
     summaries = {}
     for name in server_order(args, 0):
         plan = ServerPlan(name=name, parallel=args.parallel, slot_context=args.slot_context,
-                          threads=args.threads, llama_server=args.llama_server)
+                          threads=args.threads, llama_server=args.llama_server,
+                          butter_args=args.butter_args)
         with running_server(plan, logs) as url:
             summaries[name] = summarise(name, asyncio.run(probe(url, args)))
     save_json(args.json, [], {"summaries": summaries, "args": vars(args) | {
-        "json": str(args.json), "log_dir": str(args.log_dir), "llama_server": str(args.llama_server)}})
+        "json": str(args.json), "log_dir": str(args.log_dir),
+        "llama_server": str(args.llama_server)}})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for each server")
     parser.add_argument("--llama-server", type=Path, default=default_llama_server(),
                         help="llama-server binary (bench/build_llama_server.sh builds it)")
+    parser.add_argument("--butter-args", default="", metavar="FLAGS",
+                        help="extra `butter serve` flags, e.g. \"--kv-layout shared\"")
     parser.add_argument("--only", choices=SERVERS,
                         help="run one server only (no ratios); for debugging a side")
     parser.add_argument("--log-dir", type=Path, help="server logs (default: a temp dir)")
@@ -86,6 +88,7 @@ class ServerPlan:
     slot_context: int
     threads: int
     llama_server: Path
+    butter_args: str = ""  # extra `butter serve` flags
 
     def command(self, port: int) -> list[str]:
         if self.name == "butter":
@@ -107,7 +110,7 @@ def butter_command(port: int, plan: ServerPlan) -> list[str]:
                "--max-context", str(plan.parallel * plan.slot_context)]
     if "--threads" in _butter_serve_flags():
         command += ["--threads", str(plan.threads)]
-    return command
+    return command + plan.butter_args.split()
 
 
 def llama_server_command(port: int, plan: ServerPlan) -> list[str]:
@@ -153,22 +156,31 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_server(plan: ServerPlan, log_dir: Path) -> Iterator[str]:
-    """Start ``plan`` on a free port, wait for /health, yield the OpenAI base URL."""
+def spawned(name: str, command_for: Callable[[int], list[str]],
+            log_dir: Path) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+    """Start ``command_for(port)`` on a free port in its own process group, wait for
+    /health, yield ``(root URL, process, log)``; stop the group afterwards."""
     port = free_port()
-    log = log_dir / f"{plan.name}-{port}.log"
-    command = plan.command(port)
+    log = log_dir / f"{name}-{port}.log"
+    command = command_for(port)
     load = os.getloadavg()[0]  # other work on a 2-core box swamps any difference
-    console.print(f"[dim]starting {plan.name} (load {load:.2f}): {' '.join(command)}[/dim]")
+    console.print(f"[dim]starting {name} (load {load:.2f}): {' '.join(command)}[/dim]")
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_healthy(base, process, log)
-        yield f"{base}/v1"
+        root = f"http://127.0.0.1:{port}"
+        _wait_healthy(root, process, log)
+        yield root, process, log
     finally:
         _stop(process)
+
+
+@contextlib.contextmanager
+def running_server(plan: ServerPlan, log_dir: Path) -> Iterator[str]:
+    """Start ``plan`` on a free port, wait for /health, yield the OpenAI base URL."""
+    with spawned(plan.name, plan.command, log_dir) as (root, _, _):
+        yield f"{root}/v1"
 
 
 def log_dir(args: argparse.Namespace) -> Path:
@@ -207,9 +219,9 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def print_rows(title: str, rows: Sequence[Row]) -> None:
+def print_rows(title: str, rows: Sequence[Row], peer: str = "llama-server") -> None:
     table = Table(title=title, box=box.SIMPLE_HEAD)
-    for column in ("metric", "butter", "llama-server", "butter/peer", "better"):
+    for column in ("metric", "butter", peer, "butter/peer", "better"):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for row in rows:
         table.add_row(row.metric, _fmt(row.butter), _fmt(row.peer), _fmt(row.ratio, 3),

@@ -28,9 +28,20 @@ import asyncio
 import os
 from pathlib import Path
 
-from common import (MODEL_ID, Row, ServerPlan, add_common_arguments, console, log_dir,
-                    median, print_rows, running_server, save_json, serve_bench,
-                    server_order)
+from common import (
+    MODEL_ID,
+    Row,
+    ServerPlan,
+    add_common_arguments,
+    console,
+    log_dir,
+    median,
+    print_rows,
+    running_server,
+    save_json,
+    serve_bench,
+    server_order,
+)
 
 # Varied sentences, numbered so the text never repeats verbatim; SmolLM2's tokenizer
 # gives about CHARS_PER_TOKEN characters per token on it (checked with /tokenize).
@@ -90,7 +101,8 @@ async def bench_block(block: str, url: str, args: argparse.Namespace) -> dict:
 
 def run_block(name: str, block: str, args: argparse.Namespace, logs: Path) -> dict:
     plan = ServerPlan(name=name, parallel=args.parallel, slot_context=args.slot_context,
-                      threads=args.threads, llama_server=args.llama_server)
+                      threads=args.threads, llama_server=args.llama_server,
+                      butter_args=args.butter_args)
     with running_server(plan, logs) as url:
         return asyncio.run(bench_block(block, url, args))
 

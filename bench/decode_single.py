@@ -21,9 +21,20 @@ import asyncio
 import os
 from pathlib import Path
 
-from common import (MODEL_ID, Row, ServerPlan, add_common_arguments, console, log_dir,
-                    median, print_rows, running_server, save_json, serve_bench,
-                    server_order)
+from common import (
+    MODEL_ID,
+    Row,
+    ServerPlan,
+    add_common_arguments,
+    console,
+    log_dir,
+    median,
+    print_rows,
+    running_server,
+    save_json,
+    serve_bench,
+    server_order,
+)
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 SLOT_CONTEXT = 1024
@@ -103,7 +114,8 @@ def main() -> int:
     for round_index in range(args.rounds):
         for name in server_order(args, round_index):
             plan = ServerPlan(name=name, parallel=1, slot_context=SLOT_CONTEXT,
-                              threads=args.threads, llama_server=args.llama_server)
+                              threads=args.threads, llama_server=args.llama_server,
+                              butter_args=args.butter_args)
             samples[name] += run_block(plan, args, logs)
     rows = summarize(samples)
     print_rows(f"single-stream decode, {args.max_tokens} tokens, {args.rounds} rounds", rows)

@@ -9,14 +9,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from butter.bench.hostile import read_metrics  # noqa: E402
 from butter.resolvers import shipped_model_path  # noqa: E402
 
 
@@ -55,17 +56,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """`/metrics` as {name{labels-without-model}: value}."""
-        text = httpx.get(f"{self.root}/metrics", timeout=5).text
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name, value = line.rsplit(" ", 1)
-            base, _, labels = name.partition("{")
-            extra = [p for p in labels.rstrip("}").split(",") if p and not p.startswith("model=")]
-            key = base + ("{" + ",".join(extra) + "}" if extra else "")
-            values[key] = float(value)
-        return values
+        return read_metrics(self.root, timeout=5)
 
     def models(self) -> list[dict]:
         """`/v1/models` entries."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from conftest import ServerProcess
 
@@ -12,7 +12,8 @@ COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "grey")
 
 def notes(count: int, topic: str) -> str:
     """Filler text of roughly ``10 * count`` tokens."""
-    return " ".join(f"Note {i} on {topic}: the {COLOURS[i % 7]} lamp stays on." for i in range(count))
+    return " ".join(f"Note {i} on {topic}: the {COLOURS[i % 7]} lamp stays on."
+                    for i in range(count))
 
 
 def wait_for(server: ServerProcess, condition: Callable[[dict], bool], what: str,

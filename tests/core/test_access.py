@@ -1,33 +1,12 @@
 """Origins, Host, CORS pre-flight, the API key, /health and 405s, on the real app, no model."""
 
 import pytest
+from fakes.stub_backend import StubBackend
 from litestar.testing import TestClient
 
 from butter.http.access import AccessPolicy, is_loopback, origin_allowed
 from butter.http.app import create_app
 from butter.http.schema import REQUEST_BODIES
-
-
-class StubBackend:
-    """Answers the routes that need no model."""
-
-    model_id = "stub"
-    healthy = True
-
-    def model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "owned_by": "butter"}
-
-    def metrics_text(self) -> str:
-        return ""
-
-    async def aclose(self) -> None:
-        pass
-
-    async def generate(self, request):
-        raise AssertionError("no generation here")
-
-    async def count_tokens(self, request) -> int:
-        return 0
 
 
 def client(backend=None, **policy) -> TestClient:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pytest
-
 from butter.chat.answer import AnswerReader
 from butter.chat.prompt import PromptPlan
 from butter.chat.recovery import ContentDelta, Delta, ToolCallArguments, ToolCallStart
@@ -17,8 +15,7 @@ TOOLS = [
         "type": "object", "properties": {"a": {"type": "integer"}},
     }}},
 ]
-REQUIRED = "<tool_call>\n"  # tool_choice "required"
-NAMED = '<tool_call>\n{"name": "f", "arguments": '  # tool_choice naming f
+REQUIRED = "<tool_call>\n"  # tool_choice "required" or naming a function
 
 
 def reader(prefix: str = "") -> AnswerReader:
@@ -68,25 +65,24 @@ def test_forced_opening_cut_by_max_tokens_is_not_content() -> None:
 
 def test_start_emits_nothing_for_the_forced_opening() -> None:
     assert reader(REQUIRED).start() == []
-    assert reader(NAMED).start() == []
     assert reader().start() == []
 
 
-def test_named_function_prefix() -> None:
-    content, calls = every_split(NAMED, '{"a": 1}}\n</tool_call>')
-    assert calls == [("f", {"a": 1})]
-    assert content == ""
+def test_models_own_unclosed_opening_gives_up_its_text_without_the_tag() -> None:
+    assert every_split("", '<tool_call>{"name"') == ('{"name"', [])
 
 
-def test_named_function_prefix_cut_by_max_tokens_is_not_content() -> None:
-    content, calls = every_split(NAMED, '{"a": ')
-    assert calls == []
-    assert "<tool_call" not in content and '"name"' not in content
+def test_malformed_forced_call_leaves_no_markup_in_content() -> None:
+    # The SPEC section 4 bug: a forced call whose JSON does not parse leaked its close tag.
+    for text in ("{{1}} // 1\n</tool_call}}\n</tool_call>", "1}\n</tool_call>"):
+        content, calls = every_split(REQUIRED, text)
+        assert calls == [] and "tool_call" not in content.replace("tool_call}}", "")
+        assert "</tool_call>" not in content and "<tool_call>" not in content
 
 
-def test_models_own_unclosed_opening_stays_content_verbatim() -> None:
-    text = '<tool_call>{"name"'
-    assert every_split("", text) == (text, [])
+def test_a_stray_close_tag_is_dropped() -> None:
+    content, calls = every_split("", "Done.</tool_call> Bye.")
+    assert calls == [] and content == "Done. Bye."
 
 
 def test_models_own_call_without_prefix() -> None:

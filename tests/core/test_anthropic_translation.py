@@ -7,19 +7,19 @@ from typing import Any
 
 import pytest
 
-from butter.chat.anthropic import (
+from butter.chat.prompt import build_prompt
+from butter.chat.recovery import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallStart
+from butter.chat.request import ToolChoice
+from butter.chat.template import ChatTemplate
+from butter.errors import InvalidRequestError
+from butter.generation import Usage
+from butter.wire.anthropic import (
     MessageBuilder,
     parse_messages_request,
     stop_reason,
     tool_use_id,
     usage_body,
 )
-from butter.chat.prompt import build_prompt
-from butter.chat.recovery import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallStart
-from butter.chat.request import ToolChoice
-from butter.chat.template import ChatTemplate
-from butter.engine.events import Usage
-from butter.errors import InvalidRequestError
 
 WEATHER = {"name": "get_weather", "description": "Weather for a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -163,7 +163,7 @@ def test_forced_tool_choice_opens_the_call() -> None:
     chat = parse_messages_request(body(tools=[WEATHER],
                                        tool_choice={"type": "tool", "name": "get_weather"}))
     plan = build_prompt(chat, ChatTemplate(None))
-    assert plan.answer_prefix == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert plan.answer_prefix == "<tool_call>\n"  # the grammar holds the rest of the call
 
 
 @pytest.mark.parametrize(("thinking", "expected"), [

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from butter.chat.anthropic import parse_messages_request
-from butter.chat.request import MAX_JSON_DEPTH, parse_chat_completion, parse_json_body
+from butter.chat.request import MAX_JSON_DEPTH, parse_json_body
 from butter.errors import InvalidRequestError
+from butter.wire.anthropic import parse_messages_request
+from butter.wire.openai import parse_chat_completion
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
@@ -79,3 +80,39 @@ def test_tool_choice_must_name_a_declared_tool_on_both_routes():
         parse_messages_request({**anthropic, "tool_choice": {"type": "tool", "name": "x"}})
     with pytest.raises(InvalidRequestError, match="needs `tools`"):
         parse_messages_request({**anthropic, "tool_choice": {"type": "any"}})
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("frequency_penalty", -3), ("presence_penalty", 3), ("repetition_penalty", 0),
+    ("top_k", -2), ("top_k", 1.5), ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 101}),
+    ("logit_bias", [1, 2]), ("logprobs", "yes"), ("top_logprobs", 30), ("top_logprobs", 2),
+    ("response_format", {"type": "sound"}), ("response_format", {"type": "json_schema"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": 123}}),
+])
+def test_sampling_and_output_fields_are_honoured_or_refused(field, value):
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_completion({"messages": USER, field: value})
+    assert info.value.param.startswith(field)
+
+
+def test_sampling_fields_reach_the_generation_params():
+    params = parse_chat_completion({
+        "messages": USER, "top_k": 5, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+        "repetition_penalty": 1.1, "logit_bias": {"17": -100, "3": 2.5},
+        "response_format": {"type": "text"}, "logprobs": False}).params
+    assert (params.top_k, params.frequency_penalty, params.presence_penalty) == (5, 0.5, -0.5)
+    assert params.repetition_penalty == 1.1 and params.logit_bias == ((3, 2.5), (17, -100.0))
+    assert parse_chat_completion({"messages": USER, "top_k": -1}).params.top_k == 0  # off
+
+
+def test_a_user_message_needs_content():
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_completion({"messages": [{"role": "user"}]})
+    assert info.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize("bad", ["x", -1, 1.5])
+def test_max_tokens_is_checked_even_beside_max_completion_tokens(bad):
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_completion({"messages": USER, "max_tokens": bad, "max_completion_tokens": 1})
+    assert info.value.param == "max_tokens"

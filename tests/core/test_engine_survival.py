@@ -1,10 +1,12 @@
 """One request cannot stop the engine; an engine that dies anyway says so."""
 
+from fakes.runtime import FakeModel
+
 from butter.engine.events import Admitted, Failed, Finished, SyncChannel, TextDelta
-from butter.engine.records import GenerationParams, Request
+from butter.engine.records import Request
 from butter.engine.scheduler import Engine, EngineConfig
 from butter.errors import InternalError
-from fakes.runtime import FakeModel
+from butter.generation import GenerationParams
 
 
 def run(engine: Engine, prompt, max_tokens: int = 3) -> list:

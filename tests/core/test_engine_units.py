@@ -5,9 +5,10 @@ import pytest
 from butter.backend import ForkKind, KVFacts, TruncateKind
 from butter.engine.admission import DEFAULT_MIN_COMPLETION, Admission, common_prefix
 from butter.engine.events import SyncChannel
-from butter.engine.records import GenerationParams, Request, Session
+from butter.engine.records import Request, Session
 from butter.engine.text import Detokenizer, StopMatcher
 from butter.errors import ContextLengthExceededError
+from butter.generation import GenerationParams
 
 
 def kv(capacity: int, *, truncate=TruncateKind.ANYWHERE, window=None, token_bytes=4) -> KVFacts:
@@ -50,10 +51,23 @@ def test_longest_prefix_then_least_recently_used():
 def test_best_source_is_any_session_with_a_longer_prefix():
     busy = Session(seq_id=0, tokens=[1, 2, 3, 4, 5])
     idle = Session(seq_id=1, tokens=[1, 2, 9])
-    assert Admission.best_source([busy, idle], [1, 2, 3, 7], better_than=2) == (busy, 3)
-    assert Admission.best_source([busy, idle], [1, 2, 9, 9], better_than=3) == (None, 0)
+    admission = Admission(kv(100), parallel=1)
+    assert admission.best_source([busy, idle], [1, 2, 3, 7], better_than=2) == (busy, 3)
+    assert admission.best_source([busy, idle], [1, 2, 9, 9], better_than=3) == (None, 0)
     # One prompt token is always left to prefill.
-    assert Admission.best_source([busy], [1, 2, 3], better_than=0) == (busy, 2)
+    assert admission.best_source([busy], [1, 2, 3], better_than=0) == (busy, 2)
+
+
+def test_a_window_admits_answers_past_it_and_a_wrapped_session_is_never_reused():
+    admission = Admission(kv(8, truncate=TruncateKind.UNTIL_WRAP, window=8), parallel=1)
+    assert admission.plan(request(range(6), max_tokens=100)) == 100  # runs past the window
+    with pytest.raises(ContextLengthExceededError):
+        admission.plan(request(range(9), max_tokens=1))  # the prompt must fit it
+    wrapped = Session(seq_id=0, tokens=list(range(12)))  # fed 12 tokens into 8 positions
+    fresh = Session(seq_id=1, tokens=[0, 1, 2])
+    prompt = list(range(14))
+    assert admission.pick_session([wrapped], prompt) == (wrapped, 0)
+    assert admission.best_source([wrapped, fresh], prompt, better_than=0) == (fresh, 3)
 
 
 def test_state_that_cannot_rewind_is_reused_only_as_a_whole_prefix():
@@ -121,3 +135,9 @@ def test_detokenizer_waits_for_whole_characters():
     out = "".join(detok.feed(data[i:i + 1]) for i in range(len(data)))
     assert out + detok.flush() == "é😀"
     assert Detokenizer().feed(b"\xc3") == ""
+
+
+def test_a_character_cut_off_at_the_end_is_dropped_not_replaced():
+    detok = Detokenizer()
+    assert detok.feed("ラン".encode()[:5]) == "ラ"
+    assert detok.flush() == ""  # no U+FFFD for the half of ン the model never finished

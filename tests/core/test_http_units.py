@@ -5,7 +5,7 @@ import json
 import pytest
 from litestar.exceptions import NotFoundException
 
-from butter.chat.request import parse_chat_completion, parse_json_body
+from butter.chat.request import parse_json_body
 from butter.errors import (
     ContextLengthExceededError,
     InternalError,
@@ -14,6 +14,7 @@ from butter.errors import (
 )
 from butter.http.common import sse
 from butter.http.errors import anthropic_body, as_butter_error, error_body, openai_body
+from butter.wire.openai import parse_chat_completion
 
 
 def test_sse_frames_one_json_event_per_data_line():

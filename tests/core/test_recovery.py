@@ -199,19 +199,6 @@ def test_recovers_at_every_split(
 
 RAW_CASES = [
     pytest.param("a < b, c <= d, x<y and <b>bold</b> <tool <thinking", ON, id="less-than"),
-    pytest.param("Try <tool_call>{not json}</tool_call> again.", ON, id="malformed-json"),
-    pytest.param('<tool_call>{"arguments": {}}</tool_call>', ON, id="json-without-name"),
-    pytest.param(
-        '<tool_call>{"name": "a", "arguments": [1]}</tool_call>', ON, id="arguments-not-object"
-    ),
-    pytest.param(
-        'Calling <tool_call>\n{"name": "get_weather", "arguments": {"city": ', ON,
-        id="unclosed-json",
-    ),
-    pytest.param(f"{WEATHER_JSON[:-5]}", ON, id="close-tag-cut-off"),
-    pytest.param("<function=f>\n<parameter=x>\n1\n</parameter>\n", ON, id="unclosed-xml"),
-    pytest.param("<tool_call>\n<function=f>\nhello\n</function>\n</tool_call>", ON, id="bad-xml"),
-    pytest.param("<tool_call></tool_call>", ON, id="empty-block"),
     pytest.param(WEATHER_JSON + "\n" + WEATHER_BARE, {}, id="tools-disabled"),
     pytest.param(
         "<think>r</think>x", {**ON, "parse_think": False}, id="think-disabled"
@@ -220,8 +207,34 @@ RAW_CASES = [
 
 
 @pytest.mark.parametrize(("text", "options"), RAW_CASES)
-def test_unrecovered_markup_is_content_verbatim(text: str, options: dict[str, Any]) -> None:
+def test_text_that_is_not_markup_is_content_verbatim(text: str, options: dict[str, Any]) -> None:
     assert_recovers(text, content=text, calls=[], markup_free=False, **options)
+
+
+# Markup that does not parse gives its text up as content, without the tags (SPEC 4).
+UNRECOVERED_CASES = [
+    pytest.param("Try <tool_call>{not json}</tool_call> again.", "Try {not json} again.",
+                 id="malformed-json"),
+    pytest.param('<tool_call>{"arguments": {}}</tool_call>', '{"arguments": {}}',
+                 id="json-without-name"),
+    pytest.param('<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+                 '{"name": "a", "arguments": [1]}', id="arguments-not-object"),
+    pytest.param('Calling <tool_call>\n{"name": "get_weather", "arguments": {"city": ',
+                 'Calling \n{"name": "get_weather", "arguments": {"city": ', id="unclosed-json"),
+    pytest.param(f"{WEATHER_JSON[:-5]}",
+                 '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+                 id="close-tag-cut-off"),
+    pytest.param("<function=f>\n<parameter=x>\n1\n</parameter>\n", "1", id="unclosed-xml"),
+    pytest.param("<tool_call>\n<function=f>\nhello\n</function>\n</tool_call>", "\n\nhello",
+                 id="bad-xml"),
+    pytest.param("<tool_call></tool_call>", "", id="empty-block"),
+    pytest.param("Done.</tool_call> Bye.", "Done. Bye.", id="stray-close-tag"),
+]
+
+
+@pytest.mark.parametrize(("text", "content"), UNRECOVERED_CASES)
+def test_unrecovered_markup_gives_up_its_text_without_tags(text: str, content: str) -> None:
+    assert_recovers(text, content=content, calls=[], **ON)
 
 
 def test_tools_disabled_still_separates_think() -> None:
@@ -231,46 +244,41 @@ def test_tools_disabled_still_separates_think() -> None:
 
 def test_prose_mentioning_a_tag_does_not_hide_a_later_call() -> None:
     text = f"Use <tool_call> tags, or <function=name> ones. {WEATHER_JSON}"
-    assert_recovers(
-        text, content="Use <tool_call> tags, or <function=name> ones.", calls=[PARIS],
-        markup_free=False, **ON,
-    )
+    assert_recovers(text, content="Use  tags, or  ones.", calls=[PARIS], **ON)
 
 
 def test_malformed_block_then_valid_call() -> None:
     text = f"<tool_call>{{oops}}</tool_call>\n{WEATHER_JSON}"
-    assert_recovers(
-        text, content="<tool_call>{oops}</tool_call>", calls=[PARIS], markup_free=False, **ON
-    )
+    assert_recovers(text, content="{oops}", calls=[PARIS], **ON)
 
 
 BROKEN_THEN_VALID = [
     pytest.param(
         '<tool_call>{"name": "a", "arguments": {'
         '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
-        '<tool_call>{"name": "a", "arguments": {', [("b", {"x": 1})], id="json",
+        '{"name": "a", "arguments": {', [("b", {"x": 1})], id="json",
     ),
     pytest.param(
         'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": \n'
         f"{WEATHER_JSON}\nDone.",
-        'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": \n\nDone.', [PARIS],
+        'Sure.\n\n{"name": "a", "arguments": {"x": \n\nDone.', [PARIS],
         id="json-text-around",
     ),
     pytest.param(
         '<tool_call>{"name": "a", "arguments": {<tool_call>{"name": "a"'
         f"<tool_call>{{oops}}{WEATHER_JSON}",
-        '<tool_call>{"name": "a", "arguments": {<tool_call>{"name": "a"<tool_call>{oops}',
+        '{"name": "a", "arguments": {{"name": "a"{oops}',
         [PARIS], id="json-several-broken",
     ),
     pytest.param(
         f'<tool_call>{{"name": "a", "arguments": {{{WEATHER_BARE}</tool_call>',
-        '<tool_call>{"name": "a", "arguments": {</tool_call>',
+        '{"name": "a", "arguments": {',
         [("get_weather", {"city": "Lyon"})], id="json-then-bare-xml",
     ),
     pytest.param(
         "<tool_call>\n<function=a>\nbad\n<tool_call>\n<function=b>\n<parameter=y>\n2\n"
         "</parameter>\n</function>\n</tool_call>",
-        "<tool_call>\n<function=a>\nbad", [("b", {"y": "2"})], id="xml-wrapped",
+        "\n\nbad", [("b", {"y": "2"})], id="xml-wrapped",
     ),
 ]
 
@@ -280,8 +288,8 @@ def test_unclosed_block_does_not_swallow_the_next_call(
     text: str, content: str, calls: list[tuple[str, Any]]
 ) -> None:
     """A block that never closes is closed by the next call's close tag; the broken
-    opening is content and the call after it is still recovered."""
-    assert_recovers(text, content=content, calls=calls, markup_free=False, **ON)
+    opening's text is content (without its tags) and the call after it is recovered."""
+    assert_recovers(text, content=content, calls=calls, **ON)
 
 
 def test_xml_values_are_typed_by_schema() -> None:
@@ -346,7 +354,7 @@ def test_plain_less_than_is_released_before_the_end() -> None:
 
 def test_prose_tag_is_released_before_the_end() -> None:
     parser = StreamParser(**ON)
-    assert _content_so_far(parser, "the <tool_call>", " tag is") == "the <tool_call> tag is"
+    assert _content_so_far(parser, "the <tool_call>", " tag is") == "the  tag is"
 
 
 def test_call_starts_before_the_next_text_arrives() -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from fakes.runtime import FakeModel
 
 from butter.backend import ForkKind, TruncateKind
 from butter.engine.events import Admitted, Failed, Finished, SyncChannel
-from butter.engine.records import GenerationParams, Request
+from butter.engine.records import Request
 from butter.engine.scheduler import Engine, EngineConfig
-from fakes.runtime import FakeModel
+from butter.generation import GenerationParams
 
 
 class Client:

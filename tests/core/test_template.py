@@ -1,46 +1,18 @@
 """Chat templating: the checkpoint's own template rendered as transformers does."""
 
 import pytest
+from reference import REFERENCE, SMOLLM2
 
 from butter.chat.prompt import build_prompt
-from butter.chat.request import parse_chat_completion
 from butter.chat.template import ChatTemplate
 from butter.errors import TemplateError
-
-# SmolLM2-135M-Instruct's template, as its GGUF carries it.
-SMOLLM2 = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-# transformers' apply_chat_template(messages, add_generation_prompt=True, tokenize=False).
-REFERENCE = (
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
+from butter.wire.openai import parse_chat_completion
 
 
 def test_renders_the_reference_prompt_with_the_default_system_prompt():
     template = ChatTemplate(SMOLLM2, bos_token="<|im_start|>", eos_token="<|im_end|>")
     text = template.render([{"role": "user", "content": "What is the capital of France?"}])
     assert text == REFERENCE
-
-
-def test_real_gguf_template_matches_the_reference(model_path):
-    from butter.library import Model
-
-    with Model.load(str(model_path)) as model:
-        text = model.template.render([{"role": "user",
-                                       "content": "What is the capital of France?"}])
-        assert text == REFERENCE
-        tokens = model.loaded.tokenize(text, add_special=False, parse_special=True)
-    # <|im_start|> and <|im_end|> are single special tokens, not spelled out.
-    assert tokens.count(1) == 3 and tokens.count(2) == 2
-    assert tokens[:3] == [1, 9690, 198]
 
 
 def test_hf_template_features():
@@ -82,7 +54,8 @@ def test_template_that_knows_tools_renders_them_itself():
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "lookup"}}],
     })
-    assert build_prompt(request, template).text == "TOOLS:lookupuser: hi\n"  # trim_blocks eats the newline
+    # trim_blocks eats the newline
+    assert build_prompt(request, template).text == "TOOLS:lookupuser: hi\n"
 
 
 def test_tool_history_renders_for_a_template_without_tools():
@@ -94,5 +67,6 @@ def test_tool_history_renders_for_a_template_without_tools():
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]})
     text = build_prompt(request, ChatTemplate(SMOLLM2)).text
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert f"<tool_call>\n{call}\n</tool_call>" in text
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text

@@ -8,7 +8,7 @@ makes a step raise ``StepFailedError`` (nothing is appended, as the contract say
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from butter.backend import (
     ForkKind,
@@ -24,6 +24,7 @@ from butter.backend import (
 class FakeSampler:
     def __init__(self) -> None:
         self.closed = False
+        self.last = None
 
     def close(self) -> None:
         self.closed = True

@@ -19,14 +19,15 @@ from typing import Any
 
 import attrs
 
-from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.answer import AnswerReader
+from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.request import ChatRequest
 from butter.chat.template import ChatTemplate
-from butter.engine.events import Admitted, AsyncChannel, Failed, Finished, TextDelta, Usage
+from butter.engine.events import Admitted, AsyncChannel, Failed, Finished, TextDelta
 from butter.engine.records import Request
 from butter.engine.text import StopMatcher
 from butter.errors import ButterError
+from butter.generation import Usage
 from butter.resolvers import shipped_model_path
 from butter.serving import Generation
 

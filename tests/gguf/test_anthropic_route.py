@@ -14,10 +14,10 @@ import anthropic
 import httpx
 import httpx2
 import pytest
+from fakes.scripted import Reply, ScriptedBackend
 
 from butter.errors import InternalError
 from butter.http.app import create_app
-from fakes.scripted import Reply, ScriptedBackend
 
 MODEL = "smollm2"
 GREEDY = {"temperature": 0}  # the SDK no longer has a `temperature` argument

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import openai
 import pytest
-
-from butter import ButterServeBackend, Model, ResidentServeBackend, ServeServer
-from butter.errors import InternalError
 from conftest import free_port
+
+from butter import ButterServeBackend, Model, ModelLoader, ResidentServeBackend, ServeServer
+from butter.errors import InternalError
 
 QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
 
@@ -99,8 +99,7 @@ def test_butter_serve_backend_in_process_answers_the_openai_client(model):
 def test_resident_serve_backend_swaps(tmp_path, model_path):
     copy = tmp_path / "other.gguf"
     shutil.copyfile(model_path, copy)
-    resident = ResidentServeBackend(loader=lambda model_id: Model.load(model_id),
-                                    initial="smollm2")
+    resident = ResidentServeBackend(loader=ModelLoader(allow_any_path=True), initial="smollm2")
     try:
         with _Serving(resident) as client:
             reply = client.chat.completions.create(model=str(copy), messages=QUESTION,

@@ -16,7 +16,9 @@ def test_health_and_models(server, openai_client):
     assert [m.id for m in models] == ["smollm2"]
     card = httpx.get(f"{server.base_url}/models").json()["data"][0]
     assert card["object"] == "model" and card["owned_by"] and card["created"] > 0
-    assert card["max_model_len"] == card["context_length"] == 8192
+    # --parallel 4 on the trained 8192: a KV stream of 2048 cells per session.
+    assert card["max_model_len"] == card["context_length"] == 2048
+    assert card["butter"]["kv_layout"] == "per-session" and card["butter"]["session_cells"] == 2048
 
 
 def test_non_stream_answer_and_usage(openai_client):
@@ -35,7 +37,8 @@ def test_the_default_system_prompt_makes_the_plain_question_answerable(openai_cl
     # render, sampled answers to the bare question name Paris.
     answers = [
         openai_client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
             temperature=0.8, seed=seed, max_tokens=40,
         ).choices[0].message.content
         for seed in range(8)
@@ -114,7 +117,7 @@ def test_unknown_fields_and_authorization_are_ignored(server):
     response = httpx.post(f"{server.base_url}/chat/completions", json={
         "model": "smollm2", "messages": QUESTION, "max_tokens": 3, "frequency_penalty": 0,
         "logit_bias": {}, "user": "me", "whatever": {"nested": [1]},
-    }, headers={"Authorization": "Bearer sk-nothing"})
+    }, headers={"Authorization": "Bearer sk-nothing"}, timeout=120)
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"]
 
@@ -164,3 +167,22 @@ def test_unknown_model_is_404_and_unknown_route_is_404(server, openai_client):
     assert info.value.code == "model_not_found"
     response = httpx.get(f"{server.root}/v1/nothing")
     assert response.status_code == 404 and "error" in response.json()
+
+
+def test_sampling_fields_from_the_sdk_are_honoured(openai_client):
+    question = [{"role": "user", "content": "Name a fruit."}]
+    # " banana" is one SmolLM2 token: a +100 bias makes every sampled token that one.
+    banana = 21285
+    reply = openai_client.chat.completions.create(
+        model="smollm2", messages=question, max_tokens=3, temperature=0.9, seed=4,
+        logit_bias={str(banana): 100}, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == " banana" * 3
+    picks = {openai_client.chat.completions.create(
+        model="smollm2", messages=question, max_tokens=5, temperature=1.5, seed=seed,
+        extra_body={"top_k": 1}).choices[0].message.content for seed in range(3)}
+    assert len(picks) == 1
+    # A field the server cannot honour as asked is a 400 naming it, never dropped.
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.chat.completions.create(model="smollm2", messages=question,
+                                              max_tokens=3, logprobs=True, top_logprobs=21)
+    assert info.value.body["param"] == "top_logprobs"

@@ -13,13 +13,12 @@ import json
 import socket
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from conftest import ServerProcess
-from helpers import COLOURS, notes, wait_for
+from helpers import notes, wait_for
 
 CHAT = "/chat/completions"
 CANCELLED = 'butter_cancellations_total{phase="%s"}'
@@ -233,10 +232,11 @@ def test_disconnect_mid_prefill_stops_prefilling(start_server):
     decoder = Stream(server, long_decode("a mountain"))
     decoder.read_content(2)  # decoding: the long prompt's chunks are now capped at 64 tokens
     before = server.metrics()
-    prompt = notes(300, "the archive")  # ~3000 tokens: dozens of 64-token chunks
+    prompt = notes(240, "the archive")  # ~3500 tokens: dozens of 64-token chunks
     long_prompt = Stream(server, chat_body(prompt + "\nSummarise the notes.", max_tokens=20))
     wait_for(server, lambda m: m["butter_prefill_chunks_total"]
-             >= before["butter_prefill_chunks_total"] + 3, "three prefill chunks of the long prompt")
+             >= before["butter_prefill_chunks_total"] + 3,
+             "three prefill chunks of the long prompt")
     long_prompt.close()
     cancelled = wait_for(server, lambda m: m[CANCELLED % "prefill"] == 1
                          and m["butter_active_requests"] == 1, "the prefill cancellation")
@@ -346,7 +346,8 @@ def cached(completion) -> int:
 
 
 def test_cached_tokens_cover_a_shared_system_prompt(openai_client):
-    system = {"role": "system", "content": "You are a meticulous librarian. " + notes(30, "shelves")}
+    system = {"role": "system",
+              "content": "You are a meticulous librarian. " + notes(30, "shelves")}
     first = create(openai_client, [system, {"role": "user", "content": "What is 2+2?"}])
     second = create(openai_client, [system, {"role": "user", "content": "Name a colour."}])
     assert cached(first) < 10  # nothing but the template header was seen before

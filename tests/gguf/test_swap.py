@@ -35,7 +35,7 @@ def rss_mb(server) -> float:
 
 
 def test_swaps_back_and_forth_and_memory_returns_to_one_model(start_server, model_copy):
-    server = start_server("--parallel", "2")
+    server = start_server("--parallel", "2", "--allow-any-path")
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
     first = ask(client, "smollm2").choices[0].message.content
     baseline = rss_mb(server)
@@ -58,13 +58,13 @@ def test_the_resident_id_never_reloads(start_server, model_path):
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
     ask(client, "smollm2")
     ask(client, "smollm2")
-    ask(client, str(model_path))  # the alias's own file is the same checkpoint
+    ask(client, "smollm2-135m")  # another alias of the same checkpoint
     assert "swap requested" not in server.log_text()
     assert resident(server) == "smollm2"
 
 
 def test_swap_aborts_streams_and_queued_requests_promptly(start_server, model_copy):
-    server = start_server("--parallel", "1")
+    server = start_server("--parallel", "1", "--allow-any-path")
     long_body = {"model": "smollm2", "messages": [{"role": "user", "content": "Tell a story."}],
                  "max_tokens": 1500, "ignore_eos": True, "stream": True}
     events: list[str] = []
@@ -107,7 +107,7 @@ def test_swap_aborts_streams_and_queued_requests_promptly(start_server, model_co
 
 
 def test_unknown_corrupt_and_empty_ids_keep_the_old_model(start_server, tmp_path, model_path):
-    server = start_server()
+    server = start_server("--models-dir", str(tmp_path))
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError) as info:
         ask(client, "no-such-model")
@@ -118,6 +118,9 @@ def test_unknown_corrupt_and_empty_ids_keep_the_old_model(start_server, tmp_path
     with pytest.raises(openai.BadRequestError) as info:
         ask(client, str(truncated))
     assert info.value.code == "model_load_failed" and "truncated" in str(info.value)
+    assert "Could not load" in str(info.value)
+    reason = str(info.value).rsplit("`:", 1)[1]  # after the client's own id
+    assert str(tmp_path) not in reason and not any(c.isdigit() for c in reason)
 
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a model at all" * 100)

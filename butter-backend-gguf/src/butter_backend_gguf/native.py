@@ -11,9 +11,10 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import llama_cpp as ll
+import numpy as np
 
 from butter.backend import (
     ForkKind,
@@ -26,7 +27,10 @@ from butter.backend import (
     Work,
 )
 from butter.errors import InvalidRequestError, ModelLoadError
+from butter.kvcodec import KVCodec
 from butter.resolve import ResolvedModel
+from butter.sampling import apply_mask, token_logprob
+from butter_backend_gguf.kvtypes import RAW_TYPES, CacheTypes, cache_types, describe_mapping
 
 log = logging.getLogger("butter.gguf")
 
@@ -34,6 +38,7 @@ log = logging.getLogger("butter.gguf")
 DECODE_OUTCOMES = {1: "no KV slot for the batch", 2: "aborted", -1: "invalid batch"}
 # ggml-cpu's flash attention is tiled from GGML_FA_TILE_Q (64) query rows up.
 FA_ROW_BY_ROW_MAX_ROWS = 63
+PENALTY_WINDOW = 4096  # generated tokens the penalties remember
 # ggml_log_level (ggml.h).
 LOG_WARN, LOG_ERROR = 3, 4
 
@@ -71,7 +76,7 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def load_model(resolved: ResolvedModel, *, threads: int | None) -> "GGUFModel":
+def load_model(resolved: ResolvedModel, *, threads: int | None) -> GGUFModel:
     _ensure_backend()
     params = ll.llama_model_default_params()
     if cpu_has_amx():
@@ -83,8 +88,11 @@ def load_model(resolved: ResolvedModel, *, threads: int | None) -> "GGUFModel":
     _recent_errors.clear()
     handle = ll.llama_model_load_from_file(str(resolved.path).encode(), params)
     if not handle:
-        reason = "; ".join(_recent_errors) or "llama.cpp could not load the file"
-        raise ModelLoadError(resolved.model_id, reason)
+        # llama.cpp's own words name paths, sizes and tensors: they go to the log only.
+        log.warning("llama.cpp could not load %s: %s", resolved.path,
+                    "; ".join(_recent_errors) or "no reason given")
+        raise ModelLoadError(resolved.model_id, "llama.cpp refused the file (the server "
+                             "log has its reason)")
     return GGUFModel(handle, threads=threads or os.cpu_count() or 1)
 
 
@@ -135,7 +143,15 @@ class GGUFModel:
             fusable=not (recurrent or hybrid or experts > 0),
             description=desc.value.decode("utf-8", errors="replace"),
             control_tokens=self._control_tokens(),
+            n_vocab=int(ll.llama_vocab_n_tokens(self._vocab)),
+            fim_tokens=self._fim_tokens(),
         )
+
+    def _fim_tokens(self) -> tuple[int, int, int] | None:
+        vocab = self._vocab
+        ids = (ll.llama_vocab_fim_pre(vocab), ll.llama_vocab_fim_suf(vocab),
+               ll.llama_vocab_fim_mid(vocab))
+        return tuple(int(i) for i in ids) if all(i >= 0 for i in ids) else None
 
     def _control_tokens(self) -> tuple[str, ...]:
         vocab = self._vocab
@@ -148,7 +164,8 @@ class GGUFModel:
         data = text.encode("utf-8")
         capacity = len(data) + 8
         tokens = (ll.llama_token * capacity)()
-        n = ll.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, parse_special)
+        n = ll.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special,
+                              parse_special)
         if n < 0:
             capacity = -n
             tokens = (ll.llama_token * capacity)()
@@ -173,17 +190,18 @@ class GGUFModel:
         return bool(ll.llama_vocab_is_eog(self._vocab, token))
 
     def create_runtime(self, *, kv: KVSpec, capacity: int, n_sessions: int, max_batch: int,
-                       options: Mapping[str, object]) -> "GGUFRuntime":
+                       options: Mapping[str, object]) -> GGUFRuntime:
         return GGUFRuntime(self, kv=kv, capacity=capacity, n_sessions=n_sessions,
                            max_batch=max_batch, options=options)
 
-    def kv_token_bytes(self, element_bytes: int) -> int:
-        """Bytes one token's keys and values take across every layer."""
+    def kv_token_bytes(self, types: CacheTypes = RAW_TYPES) -> int:
+        """Bytes one token's keys and values take across every layer, stored as ``types``."""
         handle = self.handle
         n_head = int(ll.llama_model_n_head(handle))
         head_dim = int(ll.llama_model_n_embd(handle)) // max(n_head, 1)
-        kv_width = head_dim * int(ll.llama_model_n_head_kv(handle))
-        return int(ll.llama_model_n_layer(handle)) * 2 * kv_width * element_bytes
+        elements = head_dim * int(ll.llama_model_n_head_kv(handle)) \
+            * int(ll.llama_model_n_layer(handle))
+        return types.token_bytes(elements, elements)
 
     @property
     def handle(self):
@@ -199,10 +217,27 @@ class GGUFModel:
 
 
 class GGUFSampler:
-    """One request's llama_sampler chain (own seed, own random draws)."""
+    """One request's llama_sampler chain (own seed, own random draws), in llama-server's
+    order: logit bias, penalties, then greedy or top-k, top-p, min-p, temperature and a
+    draw. A grammar mask is written into the logits before the chain reads them."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+        self.params = params
+        self.n_vocab = n_vocab
+        self.last = None
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if params.logit_bias:
+            biases = (ll.llama_logit_bias * len(params.logit_bias))(
+                *(ll.llama_logit_bias(token, bias) for token, bias in params.logit_bias))
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_logit_bias(
+                n_vocab, len(params.logit_bias), biases))
+        if params.frequency_penalty or params.presence_penalty \
+                or params.repetition_penalty != 1.0:
+            # The chain sees only the tokens it drew: generated tokens are penalised, as
+            # OpenAI's penalties are, never the prompt.
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
+                n_vocab, PENALTY_WINDOW, params.repetition_penalty, params.frequency_penalty,
+                params.presence_penalty))
         if params.temperature <= 0.0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
         else:
@@ -210,9 +245,26 @@ class GGUFSampler:
                 ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(params.top_k))
             if params.top_p < 1.0:
                 ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(params.min_p, 1))
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
         self.chain = chain
+
+    def sample(self, ctx, index: int, mask) -> int:
+        """Draw from the logits of batch row ``index``, masked by ``mask`` if given."""
+        raw = None
+        if mask is not None or self.params.logprobs is not None:
+            logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, index),
+                                           shape=(self.n_vocab,))
+            if self.params.logprobs is not None:
+                raw = logits.copy() if mask is not None else logits
+            if mask is not None:
+                apply_mask(logits, mask)
+        token = int(ll.llama_sampler_sample(self.chain, ctx, index))
+        if raw is not None:
+            self.last = token_logprob(raw, token, self.params.logprobs)
+        return token
 
     def close(self) -> None:
         if self.chain is not None:
@@ -258,15 +310,53 @@ class BatchBuilder:
             self.batch = None
 
 
-OPTIONS = frozenset({"micro_batch"})
-F16_BYTES = 2
+OPTIONS = frozenset({"micro_batch", "kv_layout"})
+LAYOUTS = ("per-session", "shared")
+DEFAULT_LAYOUT = "per-session"
+PER_SESSION_MICRO_BATCH = 512
+# ggml-cpu's flash attention splits a lone row's keys across threads from 512 cells on;
+# llama.cpp reads a stream's cells in multiples of 256, so 256 filled cells stay below.
+SPLIT_KV_FREE_CELLS = 256
+TILED_MIN_ROWS = FA_ROW_BY_ROW_MAX_ROWS + 1  # ggml-cpu flash attention tiles from 64 rows
+CONTEXT_GRANULE = 256  # llama.cpp pads a stream's cells to this
+
+
+_MAPPINGS_LOGGED: set[str] = set()
+
+
+def _log_mapping(codec: KVCodec) -> None:
+    """Say once per process how ``codec`` is stored (a swap reuses the line)."""
+    if not codec.raw and codec.name not in _MAPPINGS_LOGGED:
+        _MAPPINGS_LOGGED.add(codec.name)
+        log.info(describe_mapping(codec))
+
+
+def _cells(model: GGUFModel, types: CacheTypes, capacity: int, streams: int) -> int:
+    """KV cells holding what ``capacity`` raw cells' bytes hold, once ``types`` compress
+    them: a multiple of the granule per stream, each stream at most the trained context."""
+    if not types.quantized:
+        return capacity
+    cells = capacity * model.kv_token_bytes() // model.kv_token_bytes(types)
+    per_stream = cells // streams // CONTEXT_GRANULE * CONTEXT_GRANULE
+    return max(capacity // streams, min(per_stream, model.info.n_ctx_train)) * streams
 
 
 class GGUFRuntime:
-    """One llama.cpp context: a unified KV shared by every session (one seq id each).
+    """One llama.cpp context holding every session's KV, in one of two layouts.
 
-    Forks alias cells (``llama_memory_seq_cp`` tags them, nothing is copied), so they
-    cost no bytes; recurrent, hybrid and sliding-window models neither fork nor cut.
+    ``per-session`` (``kv_unified=false``, as llama-server runs): each session is its
+    own KV stream of ``capacity / n_sessions`` cells in position order, so attention over
+    it never depends on other sessions. Each prompt chunk runs in a pass of its own,
+    padded to ggml's tiled attention (``_prefill``); every one-token row (decode rows, a
+    prompt's last token) goes in one shared pass, ordered so each row takes the same
+    attention path alone or batched (``_row_order``). The same request then gives the
+    same answer whatever runs beside it. Forks copy the source's stream.
+
+    ``shared`` (``kv_unified=true``): one cache every session draws cells from, so one
+    request may use it all; forks alias cells for free. Cells end up out of position
+    order once the cache has holes, which makes answers depend on co-runners.
+
+    Recurrent, hybrid and sliding-window models neither fork nor cut.
     """
 
     def __init__(self, model: GGUFModel, *, kv: KVSpec, capacity: int, n_sessions: int,
@@ -274,22 +364,44 @@ class GGUFRuntime:
         unknown = set(options) - OPTIONS
         if unknown:
             raise InvalidRequestError(f"The GGUF back end has no option {sorted(unknown)}.")
-        if kv != KVSpec():
-            raise InvalidRequestError("The GGUF back end stores the KV cache raw, unwindowed.")
+        self.window, self.window_keep = kv.window, kv.keep
+        if kv.window is not None and not model.info.can_rewind:
+            raise InvalidRequestError("A recurrent or hybrid model's state cannot shift: "
+                                      "no KV window.")
+        if kv.window is not None and kv.keep >= kv.window:
+            raise InvalidRequestError("The window must be longer than the positions it keeps.")
+        if kv.decode_path != "compressed":
+            raise InvalidRequestError("llama.cpp attends on its cache as stored: the GGUF "
+                                      "back end has no dequant-mirror decode path.")
+        types = cache_types(kv.codec) or RAW_TYPES
+        _log_mapping(kv.codec)
+        self.codec, self.cache_types = kv.codec, types
+        layout = str(options.get("kv_layout") or DEFAULT_LAYOUT)
+        if layout not in LAYOUTS:
+            raise InvalidRequestError(f"kv_layout must be one of {', '.join(LAYOUTS)}.")
+        self.layout = layout
+        self.per_session = layout == "per-session"
         micro_batch = options.get("micro_batch")
         params = ll.llama_context_default_params()
-        params.n_ctx = capacity
+        streams = n_sessions if self.per_session else 1
+        params.n_ctx = _cells(model, types, capacity, streams)
+        if kv.window is not None and params.n_ctx // streams < kv.window:
+            raise InvalidRequestError(f"A {kv.window}-token window needs that many KV cells "
+                                      f"per session; there are {params.n_ctx // streams}.")
         params.n_batch = max_batch
-        # Same answer batched or alone (on a fresh cache): llama.cpp's CPU flash attention
-        # takes a row-by-row path that only reads a session's own KV cells, in cell order,
-        # for micro-batches of 2..63 rows; at 64 rows and more every row of the pass goes
-        # through a tiled kernel whose sums depend on where other sessions' cells sit. The
-        # tiled kernel prefills long prompts faster: ``--ubatch-size 512`` picks it.
-        params.n_ubatch = min(max_batch, int(micro_batch or FA_ROW_BY_ROW_MAX_ROWS))
+        # Shared layout: same answer batched or alone (on a fresh cache) needs llama.cpp's
+        # row-by-row CPU flash attention, taken for micro-batches of 2..63 rows; at 64 rows
+        # and more a tiled kernel sums by cell index. Per-session streams keep every row's
+        # cells its own and in order, so the tiled kernel's faster prefill is free there.
+        default = PER_SESSION_MICRO_BATCH if self.per_session else FA_ROW_BY_ROW_MAX_ROWS
+        params.n_ubatch = min(max_batch, int(micro_batch or default))
         params.n_seq_max = n_sessions
         params.n_threads = model.threads
         params.n_threads_batch = model.threads
-        params.kv_unified = True
+        params.kv_unified = not self.per_session
+        if types.quantized:  # llama.cpp quantizes a value cache only under flash attention
+            params.type_k, params.type_v = types.ids()
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.no_perf = True
         _recent_errors.clear()
         ctx = ll.llama_init_from_model(model.handle, params)
@@ -303,37 +415,134 @@ class GGUFRuntime:
         self.n_sessions = n_sessions
         self.max_batch = max_batch
         self._lengths = [0] * n_sessions
-        self._builder = BatchBuilder(max_batch)
-        positions = int(ll.llama_n_ctx(ctx))
-        token_bytes = model.kv_token_bytes(F16_BYTES)
+        self._n_vocab = model.info.n_vocab
+        self._builder = BatchBuilder(max(max_batch, TILED_MIN_ROWS))
+        total = int(ll.llama_n_ctx(ctx))
+        per_stream = int(ll.llama_n_ctx_seq(ctx)) if self.per_session else total
+        self._stream_cells = per_stream
+        token_bytes = model.kv_token_bytes(types)
         rewinds = model.info.can_rewind
-        self.kv = KVFacts(budget_bytes=positions * token_bytes, token_bytes=token_bytes,
-                          max_positions=positions,
-                          fork=ForkKind.ALIAS if rewinds else ForkKind.NONE,
-                          truncate=TruncateKind.ANYWHERE if rewinds else TruncateKind.NEVER)
+        fork = ForkKind.NONE if not rewinds else \
+            ForkKind.COPY if self.per_session else ForkKind.ALIAS
+        truncate = TruncateKind.ANYWHERE if rewinds else TruncateKind.NEVER
+        if kv.window is not None:
+            truncate = TruncateKind.UNTIL_WRAP
+        self.kv = KVFacts(budget_bytes=total * token_bytes, token_bytes=token_bytes,
+                          max_positions=kv.window or per_stream, fork=fork, truncate=truncate,
+                          window=kv.window, per_session=self.per_session)
 
     def step(self, work: Sequence[Work]) -> list[int | None]:
+        if self.window is not None:
+            for item in work:
+                self._shift(item.session, len(item.tokens))
+        if not self.per_session:
+            return self._decode(work, [(item, item.tokens, item.sampler is not None)
+                                       for item in work])
+        # Per-session: each chunk alone, a final chunk's last token with the rows.
+        before = {item.session: self._lengths[item.session] for item in work}
+        results: list[int | None] = [None] * len(work)
+        rows: list[int] = []
+        try:
+            for index, item in enumerate(work):
+                if len(item.tokens) == 1 and item.sampler is not None:
+                    rows.append(index)
+                    continue
+                body = item.tokens[:-1] if item.sampler is not None else item.tokens
+                self._prefill(item, body)
+                if item.sampler is not None:
+                    rows.append(index)
+            if rows:
+                rows = self._row_order(work, rows)
+                tails = [work[i] for i in rows]
+                feeds = [(item, item.tokens[-1:], True) for item in tails]
+                for i, token in zip(rows, self._decode(tails, feeds)):
+                    results[i] = token
+        except StepFailedError:
+            for session, length in before.items():  # the step as a whole did not happen
+                self.truncate(session, length)
+            raise
+        return results
+
+    def _row_order(self, work: Sequence[Work], rows: list[int]) -> list[int]:
+        """One-token rows in the order that fixes how llama.cpp micro-batches them.
+
+        Without a unified cache, llama.cpp puts rows in one micro-batch only while their
+        sequence ids climb by one in batch order. ggml's CPU flash attention gives a row
+        alone in its micro-batch a path of its own once its stream reaches 512 cells
+        (keys split across threads), summing in another order than rows batched
+        together. So a row past its stream's first 256 cells (llama.cpp reads cells in
+        multiples of 256) always goes alone, and shorter rows batch in runs of
+        consecutive sessions: every row takes the same path alone or with company.
+        Units go highest session first, so no run picks up a row that is not its own.
+        """
+        def session(i: int) -> int:
+            return work[i].session
+
+        long = {i for i in rows if self._lengths[session(i)] + 1 > SPLIT_KV_FREE_CELLS}
+        runs: list[list[int]] = []
+        for i in sorted((i for i in rows if i not in long), key=session):
+            if runs and session(runs[-1][-1]) + 1 == session(i):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        units = sorted([[i] for i in long] + runs, key=lambda unit: session(unit[0]),
+                       reverse=True)
+        return [i for unit in units for i in unit]
+
+    def _decode(self, items: Sequence[Work], feeds) -> list[int | None]:
+        """One ``llama_decode`` of ``feeds`` ``(item, tokens, wants_logits)``."""
         builder = self._builder
         builder.clear()
-        outputs = [builder.add(item.session, item.tokens, self._lengths[item.session],
-                               item.sampler is not None) for item in work]
+        outputs = [builder.add(item.session, tokens, self._lengths[item.session], logits)
+                   for item, tokens, logits in feeds]
         rc = ll.llama_decode(self._ctx, builder.batch)
         if rc != 0:
-            for item in work:  # nothing of a failed step stays in the cache
-                ll.llama_memory_seq_rm(self._memory, item.session, self._lengths[item.session],
-                                       -1)
+            for item in items:  # nothing of a failed pass stays in the cache
+                ll.llama_memory_seq_rm(self._memory, item.session,
+                                       self._lengths[item.session], -1)
             outcome = DECODE_OUTCOMES.get(rc, f"fatal error {rc}")
             raise StepFailedError(f"llama_decode failed: {outcome}")
-        for item in work:
-            self._lengths[item.session] += len(item.tokens)
+        for item, tokens, _ in feeds:
+            self._lengths[item.session] += len(tokens)
         return [
-            int(ll.llama_sampler_sample(item.sampler.chain, self._ctx, index))
-            if item.sampler is not None else None
-            for item, index in zip(work, outputs)
+            item.sampler.sample(self._ctx, index, item.mask) if wants else None
+            for (item, _, wants), index in zip(feeds, outputs)
         ]
 
+    def _shift(self, session: int, incoming: int) -> None:
+        """Make room for ``incoming`` tokens in ``session``'s window: llama-server's context
+        shift. The first ``window_keep`` positions stay (attention sinks, a system prompt);
+        half of the rest goes, the newer half moves down, its keys re-rotated by llama.cpp."""
+        length = self._lengths[session]
+        if length + incoming <= self.window:
+            return
+        keep = self.window_keep
+        discard = min(length - keep, max(incoming, (self.window - keep) // 2))
+        ll.llama_memory_seq_rm(self._memory, session, keep, keep + discard)
+        ll.llama_memory_seq_add(self._memory, session, keep + discard, -1, -discard)
+        self._lengths[session] = length - discard
+
+    def _prefill(self, item: Work, body: Sequence[int]) -> None:
+        """Feed a chunk (no logits) in a pass of its own, padded to the tiled kernel.
+
+        ggml's CPU flash attention sums differently for passes under 64 rows (row by row)
+        and from 64 on (tiled, the same whatever the tiling). A prompt position must be
+        computed the same way whichever chunk it falls in, so a short chunk gets filler
+        rows after it (later positions: causal attention hides them from the chunk) and
+        their cells go at once."""
+        session = item.session
+        start = self._lengths[session]
+        filler = max(0, TILED_MIN_ROWS - len(body))
+        if start + len(body) + filler > self._stream_cells:
+            filler = 0
+        padded = list(body) + [body[-1]] * filler
+        self._decode([item], [(item, padded, False)])
+        if filler:
+            ll.llama_memory_seq_rm(self._memory, session, start + len(body), -1)
+            self._lengths[session] = start + len(body)
+
     def new_sampler(self, params: SamplingParams) -> GGUFSampler:
-        return GGUFSampler(params)
+        return GGUFSampler(params, self._n_vocab)
 
     def truncate(self, session: int, keep: int) -> bool:
         if keep >= self._lengths[session]:
@@ -344,16 +553,25 @@ class GGUFRuntime:
         return True
 
     def fork(self, source: int, target: int, length: int) -> bool:
-        if self.kv.fork is ForkKind.NONE or length > self._lengths[source]:
+        if self.kv.fork is ForkKind.NONE or length > self._lengths[source] or source == target:
             return False
-        # One unified KV: the cells gain the target's sequence id, nothing is copied.
         ll.llama_memory_seq_rm(self._memory, target, 0, -1)
-        ll.llama_memory_seq_cp(self._memory, source, target, 0, length)
+        if self.per_session:
+            # Streams copy whole (llama.cpp copies the buffer at the next decode); the
+            # target then drops what it does not share.
+            ll.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+            ll.llama_memory_seq_rm(self._memory, target, length, -1)
+        else:
+            # One unified KV: the cells gain the target's sequence id, nothing is copied.
+            ll.llama_memory_seq_cp(self._memory, source, target, 0, length)
         self._lengths[target] = length
         return True
 
     def describe(self) -> dict[str, object]:
-        return {"micro_batch": self.micro_batch, "threads": self.threads}
+        return {"micro_batch": self.micro_batch, "threads": self.threads,
+                "kv_layout": self.layout, "session_cells": self._stream_cells,
+                "kv_cache": self.codec.name, "kv_cache_types": str(self.cache_types),
+                "kv_window": self.window, "kv_window_keep": self.window_keep}
 
     def close(self) -> None:
         self._builder.close()

@@ -2,30 +2,47 @@
 
 from __future__ import annotations
 
-from butter.errors import ModelLoadError
+import importlib.util
+
+from butter.backend import CheckpointFacts
+from butter.gguf import read_header
 from butter.hookspecs import hookimpl
+from butter.kvcodec import KVCodec
 from butter.resolve import ResolvedModel
-from butter_backend_gguf.check import GGUFFormatError, check_gguf
 
 
 class GGUFBackend:
     name = "gguf"
     priority = 10
+    options = frozenset({"micro_batch", "kv_layout"})
+    takes_threads = True
+    kv_windows = True  # llama.cpp's context shift
+    decode_paths = frozenset({"compressed"})  # llama.cpp attends on its cache as stored
+
+    def unavailable(self) -> str | None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return "llama-cpp-python is not installed (pip install 'butter-core[gguf]')"
+        return None
 
     def can_load(self, resolved: ResolvedModel) -> bool:
-        return resolved.format == "gguf"
+        return resolved.format == "gguf" and self.unavailable() is None
 
-    def precheck(self, resolved: ResolvedModel) -> None:
+    def precheck(self, resolved: ResolvedModel) -> CheckpointFacts:
         """Refuse a truncated or corrupt file before anything is freed or loaded."""
-        try:
-            check_gguf(resolved.path)
-        except (GGUFFormatError, OSError) as exc:
-            raise ModelLoadError(resolved.model_id, str(exc)) from None
+        header = read_header(resolved)
+        return CheckpointFacts(architecture=header.architecture,
+                               context_length=header.context_length)
+
+    def kv_storage(self, codec: KVCodec) -> str | None:
+        """How llama.cpp stores ``codec`` (its cache types), or None: served raw."""
+        from butter_backend_gguf.kvtypes import cache_types
+
+        types = cache_types(codec)
+        return None if types is None else str(types)
 
     def load(self, resolved: ResolvedModel, *, threads: int | None = None):
         from butter_backend_gguf.native import load_model
 
-        self.precheck(resolved)
         return load_model(resolved, threads=threads)
 
 
@@ -34,7 +51,3 @@ def register_backends(register) -> None:
     register(GGUFBackend())
 
 
-@hookimpl
-def register_kv_codecs(register) -> None:
-    # llama.cpp stores the KV raw (f16) here; quantised cache types arrive with the codecs issue.
-    pass

@@ -1,1 +1,1 @@
-"""butter's MLX back end (skeleton: the MLX issue fills it in)."""
+"""butter's MLX back end: mlx-lm model classes, GGUF through ``mx.load``, batched decode."""

@@ -1,4 +1,122 @@
-"""Registers nothing yet: the MLX back end arrives with its issue.
+"""Registers the MLX back end. Imports nothing heavy: mlx and mlx-lm load in ``load``."""
 
-Kept as an entry point so the plugin wiring is exercised; it must not import mlx.
-"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import platform
+import sys
+
+from butter.backend import CheckpointFacts
+from butter.errors import ModelLoadError
+from butter.gguf import read_header
+from butter.hookspecs import hookimpl
+from butter.kvcodec import KVCodec
+from butter.resolve import ResolvedModel
+
+# ggml types mx.load reads: F32, F16, Q4_0, Q4_1, Q8_0, BF16.
+GGUF_TYPES = frozenset({0, 1, 2, 3, 8, 30})
+GGUF_ARCHITECTURES = frozenset({"llama"})
+GGUF_TOKENIZERS = frozenset({"gpt2"})
+
+
+def apple_silicon() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+class MLXBackend:
+    """HF / MLX folders through mlx-lm's model classes, and GGUF through ``mx.load``."""
+
+    name = "mlx"
+    options = frozenset({"prefill_step"})
+    takes_threads = False
+    decode_paths = frozenset({"compressed", "dequant-mirror"})
+
+    @property
+    def priority(self) -> int:
+        """The platform default: MLX on Apple Silicon, GGUF (priority 10) elsewhere."""
+        return 5 if apple_silicon() else 20
+
+    def unavailable(self) -> str | None:
+        missing = [name for name in ("mlx", "mlx_lm", "tokenizers") if not _installed(name)]
+        if missing:
+            extra = "mlx" if apple_silicon() else "mlx[cpu]"
+            return (f"{', '.join(missing)} not installed (pip install 'butter-core[mlx]' "
+                    f"installs {extra} and mlx-lm)")
+        return None
+
+    def can_load(self, resolved: ResolvedModel) -> bool:
+        return resolved.format in ("gguf", "hf") and self.unavailable() is None
+
+    def precheck(self, resolved: ResolvedModel) -> CheckpointFacts:
+        if resolved.format == "hf":
+            return _check_folder(resolved)
+        header = read_header(resolved)
+        other = header.tensor_types - GGUF_TYPES
+        if other:
+            raise ModelLoadError(resolved.model_id, "the MLX back end reads GGUF tensors of "
+                                 "types F32, F16, BF16, Q4_0, Q4_1 and Q8_0 only; this file has "
+                                 "others (K-quants or i-quants): use --backend gguf")
+        if header.architecture not in GGUF_ARCHITECTURES:
+            raise ModelLoadError(resolved.model_id, f"the MLX back end reads llama-family "
+                                 f"GGUFs, not {header.architecture!r}: use --backend gguf")
+        if header.tokenizer_model not in GGUF_TOKENIZERS:
+            raise ModelLoadError(resolved.model_id, "the MLX back end reads byte-level BPE "
+                                 f"(gpt2) vocabularies from GGUF, not "
+                                 f"{header.tokenizer_model!r}")
+        return CheckpointFacts(architecture=header.architecture,
+                               context_length=header.context_length)
+
+    def kv_storage(self, codec: KVCodec) -> str | None:
+        """How the MLX runtime stores ``codec``, or None: served raw."""
+        if codec.raw:
+            return "float16 mlx-lm caches"
+        if codec.family == "affine":
+            return (f"mx.quantize keys {codec.key_bits}-bit, values {codec.value_bits}-bit, "
+                    f"groups of {codec.group_size}; attention through mx.quantized_matmul")
+        if codec.family == "aura":
+            rotated = "keys and values" if codec.rotate_values else "keys"
+            return (f"Hadamard-rotated {rotated}, mx.quantize keys {codec.key_bits}-bit, "
+                    f"values {codec.value_bits}-bit; first {codec.sinks} and newest "
+                    f"{codec.recent} tokens float16; one softmax over both")
+        return None
+
+    def load(self, resolved: ResolvedModel, *, threads: int | None = None):
+        if threads is not None:
+            raise ModelLoadError(resolved.model_id, "the MLX back end sets no thread count")
+        from butter_backend_mlx.checkpoint import load_folder, load_gguf
+        from butter_backend_mlx.model import MLXModel
+
+        if resolved.format == "hf":
+            checkpoint = load_folder(resolved.path, resolved.model_id)
+        else:
+            checkpoint = load_gguf(resolved.path, resolved.model_id)
+        kind = "GGUF via mx.load" if resolved.format == "gguf" else "mlx-lm folder"
+        return MLXModel(checkpoint, description=f"{checkpoint.config.get('model_type')} "
+                        f"({kind})")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, a broken one
+        return False
+
+
+def _check_folder(resolved: ResolvedModel) -> CheckpointFacts:
+    try:
+        config = json.loads((resolved.path / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ModelLoadError(resolved.model_id, "its config.json cannot be read") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelLoadError(resolved.model_id, "its config.json names no model_type")
+    if not (resolved.path / "tokenizer.json").is_file():
+        raise ModelLoadError(resolved.model_id, "the folder has no tokenizer.json")
+    context = config.get("max_position_embeddings")
+    return CheckpointFacts(architecture=config["model_type"],
+                           context_length=context if isinstance(context, int) else None)
+
+
+@hookimpl
+def register_backends(register) -> None:
+    register(MLXBackend())

@@ -2,7 +2,7 @@
 
 The library API is importable from here without any back end installed::
 
-    from butter import Model, ButterServeBackend, ServeServer, ResidentServeBackend
+    from butter import Model, ModelLoader, ButterServeBackend, ServeServer, ResidentServeBackend
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Model": "butter.library",
+    "ModelLoader": "butter.library",
     "GenerationResult": "butter.library",
     "StreamChunk": "butter.library",
     "ButterServeBackend": "butter.serving",

@@ -11,9 +11,12 @@ runs model passes and little else), so it may only read the vocabulary.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
+
+from butter.kvcodec import RAW, KVCodec
 
 if TYPE_CHECKING:
     from butter.resolve import ResolvedModel
@@ -36,14 +39,40 @@ class ModelInfo:
     description: str = ""
     # Texts of the control tokens (``<|im_start|>``…): client text never becomes one.
     control_tokens: tuple[str, ...] = ()
+    n_vocab: int = 0  # logits per position (token ids run below it)
+    # Fill-in-the-middle tokens (prefix, suffix, middle), if the vocabulary has them.
+    fim_tokens: tuple[int, int, int] | None = None
 
 
 @attrs.frozen
 class SamplingParams:
+    """How one request draws its tokens (see :class:`butter.generation.GenerationParams`).
+
+    The order is llama.cpp's: the grammar mask (``Work.mask``), logit bias, penalties over
+    the tokens this sampler drew, top-k, top-p, min-p, temperature, then a draw from the
+    request's own random state (greedy at temperature 0). With ``logprobs`` set, each
+    draw also records the model's own log-probabilities (``Sampler.last``)."""
+
     temperature: float
     top_p: float
     seed: int
     top_k: int = 40
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    logprobs: int | None = None  # None: none; k: the drawn token's and the k most likely
+
+
+@attrs.frozen
+class TokenLogprob:
+    """A drawn token's log-probability under the model (before mask, bias, penalties and
+    temperature, as vLLM and llama-server report it) and the ``k`` most likely tokens'."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class ForkKind(enum.Enum):
@@ -64,12 +93,14 @@ class TruncateKind(enum.Enum):
 
 @attrs.frozen
 class KVSpec:
-    """How the engine asks a runtime to store the KV cache (``--kv-cache`` and friends)."""
+    """How the engine asks a runtime to store the KV cache (``--kv-cache`` and friends).
 
-    codec: str = "raw"
+    A runtime that cannot store ``codec`` logs so once and stores the cache raw."""
+
+    codec: KVCodec = RAW
     window: int | None = None  # keep at most this many positions per session
     keep: int = 0  # positions at the start a window never evicts (attention sinks)
-    decode_path: str = "compressed"
+    decode_path: str = "compressed"  # or "dequant-mirror": a dequantized copy to decode on
 
 
 @attrs.frozen
@@ -88,6 +119,9 @@ class KVFacts:
     truncate: TruncateKind
     window: int | None = None
     granule: int = 1
+    # Each session owns ``max_positions`` cells no other may use (a KV stream per
+    # session): admission never evicts one session's cache to make room for another.
+    per_session: bool = False
 
     def cost(self, tokens: int) -> int:
         """Bytes a session holding ``tokens`` tokens takes."""
@@ -99,6 +133,11 @@ class KVFacts:
         """Tokens the whole budget holds."""
         return min(self.budget_bytes // self.token_bytes, self.max_positions) \
             if self.window is None else self.max_positions
+
+    def wrapped(self, length: int) -> bool:
+        """Whether a session that was fed ``length`` tokens has dropped some (its window
+        shifted): its cache then no longer holds a prefix of them to reuse or fork."""
+        return self.window is not None and length > self.window
 
     def can_truncate(self, length: int, keep: int) -> bool:
         """Whether a session holding ``length`` tokens can be cut back to ``keep``."""
@@ -116,7 +155,10 @@ class Work:
 
     session: int
     tokens: Sequence[int]
-    sampler: "Sampler | None" = None  # draw from the last fed position's logits
+    sampler: Sampler | None = None  # draw from the last fed position's logits
+    # Tokens the draw may pick: a packed int32 bitmask (bit ``t % 32`` of word ``t // 32``
+    # set means token ``t`` is allowed), as a grammar engine writes it; None: any token.
+    mask: object | None = None
 
 
 class StepFailedError(RuntimeError):
@@ -128,6 +170,9 @@ DecodeFailedError = StepFailedError  # the name the first contract used
 
 class Sampler(Protocol):
     """One request's sampling state (its own random draws)."""
+
+    # The last draw's log-probabilities, when ``SamplingParams.logprobs`` asked for them.
+    last: TokenLogprob | None
 
     def close(self) -> None: ...
 
@@ -186,11 +231,34 @@ class LoadedModel(Protocol):
         """Free the native checkpoint now (not when the garbage collector gets to it)."""
 
 
+@attrs.frozen
+class CheckpointFacts:
+    """What a back end reads from a checkpoint without loading it."""
+
+    architecture: str | None = None
+    context_length: int | None = None  # trained context, if the checkpoint says
+
+
 class Backend(Protocol):
     name: str
     priority: int  # lower wins when several back ends can load a checkpoint
+    options: frozenset[str]  # the back-end knobs ``create_runtime`` takes (``micro_batch``)
+    takes_threads: bool  # whether ``load(threads=N)`` means something
+    kv_windows: bool  # whether runtimes take ``KVSpec.window``
+    decode_paths: frozenset[str]  # the ``KVSpec.decode_path`` values runtimes take
 
-    def can_load(self, resolved: "ResolvedModel") -> bool: ...
+    def unavailable(self) -> str | None:
+        """Why this back end cannot run here (a library missing), or None."""
 
-    def load(self, resolved: "ResolvedModel", *, threads: int | None = None) -> LoadedModel:
-        """Load the checkpoint; raise ``ModelLoadError`` with the loader's reason on failure."""
+    def can_load(self, resolved: ResolvedModel) -> bool: ...
+
+    def precheck(self, resolved: ResolvedModel) -> CheckpointFacts:
+        """Refuse, cheaply and before anything is freed, a checkpoint ``load`` would refuse
+        from its structure; raise ``ModelLoadError`` with a reason naming no paths or sizes."""
+
+    def kv_storage(self, codec: KVCodec) -> str | None:
+        """How this back end stores ``codec`` (one line), or None if it serves it raw."""
+
+    def load(self, resolved: ResolvedModel, *, threads: int | None = None) -> LoadedModel:
+        """Load a checkpoint ``precheck`` passed; raise ``ModelLoadError`` with the loader's
+        reason (no paths, no sizes) on failure."""

@@ -14,23 +14,38 @@ import contextlib
 import functools
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import attrs
 
-from butter.backend import LoadedModel, ModelInfo
+from butter.backend import Backend, CheckpointFacts, KVSpec, LoadedModel, ModelInfo
 from butter.chat.answer import AnswerReader
+from butter.chat.grammar import grammar_for
 from butter.chat.guard import TextGuard
 from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.recovery import ContentDelta, ReasoningDelta, StreamParser, ToolCall
 from butter.chat.request import DEFAULT_TEMPERATURE, ChatRequest, parse_messages, parse_tools
 from butter.chat.template import ChatTemplate
-from butter.engine.events import Failed, Finished, SyncChannel, TextDelta, Usage
-from butter.engine.records import GenerationParams, Request
-from butter.engine.scheduler import Engine, EngineConfig
-from butter.errors import ButterError, EngineStoppedError, ModelLoadError
+from butter.engine.constraint import Constraint, Grammars
+from butter.engine.events import Failed, Finished, SyncChannel, TextDelta
+from butter.engine.records import Request
+from butter.engine.scheduler import DEFAULT_KV_LAYOUT, Engine, EngineConfig
+from butter.errors import (
+    ButterError,
+    EngineStoppedError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
+from butter.generation import GenerationParams, Usage
 from butter.plugins import Plugins, build_plugins
 from butter.resolve import ResolvedModel
+
+GENERATE_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop", "tools",
+                              "chat", "ignore_eos", "min_tokens", "top_k", "frequency_penalty",
+                              "presence_penalty", "repetition_penalty", "logit_bias", "min_p"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,21 +71,33 @@ class StreamChunk:
     usage: Usage | None = None
 
 
+@attrs.frozen
+class Prepared:
+    """A request made ready for the engine: prompt tokens, answer reader, grammar."""
+
+    tokens: list[int]
+    reader: AnswerReader
+    constraint: Constraint | None = None
+
+
 class Model:
     """A loaded checkpoint and the engine that runs it."""
 
     def __init__(self, loaded: LoadedModel, *, model_id: str, resolved: ResolvedModel,
-                 backend_name: str, plugins: Plugins) -> None:
+                 backend_name: str, plugins: Plugins,
+                 backend_options: frozenset[str] = frozenset()) -> None:
         self.loaded = loaded
         self.model_id = model_id
         self.resolved = resolved
         self.backend_name = backend_name
+        self.backend_options = backend_options  # the runtime knobs its back end takes
         self.info: ModelInfo = loaded.info
         self.loaded_at = int(time.time())
         self.template = ChatTemplate(self.info.chat_template, bos_token=self.info.bos_token,
                                      eos_token=self.info.eos_token)
         self.tool_formats = tuple(plugins.tool_formats) or None
         self.guard = TextGuard(self.info.control_tokens)
+        self.grammars = Grammars(loaded)
         self._engine: Engine | None = None
         self._lock = threading.Lock()
         # Request threads tokenizing right now; close() waits for them before freeing.
@@ -80,14 +107,11 @@ class Model:
 
     @classmethod
     def load(cls, model_id: str, *, backend: str | None = None, threads: int | None = None,
-             plugins: Plugins | None = None) -> "Model":
-        """Resolve ``model_id`` (path, alias or cached hub id) and load it."""
-        plugins = plugins or default_plugins()
-        resolved = check_loadable(model_id, plugins=plugins)
-        chosen = plugins.backend_for(resolved, backend)
-        loaded = chosen.load(resolved, threads=threads)
-        return cls(loaded, model_id=model_id, resolved=resolved, backend_name=chosen.name,
-                   plugins=plugins)
+             plugins: Plugins | None = None) -> Model:
+        """Resolve ``model_id`` (any path, alias or cached hub id), check it and load it."""
+        loader = ModelLoader(backend=backend, threads=threads, allow_any_path=True,
+                             plugins=plugins)
+        return loader.load(loader.check(loader.find(model_id)))
 
     # ---- engine ------------------------------------------------------------------
 
@@ -105,8 +129,85 @@ class Model:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            self.start_engine(EngineConfig(parallel=1, capacity=min(self.info.n_ctx_train, 8192)))
+            self.start_engine(self.engine_config(capacity=min(self.info.n_ctx_train, 8192)))
         return self._engine
+
+    def engine_config(self, *, parallel: int = 1, capacity: int | None = None,
+                      prefill_chunk: int = 256, micro_batch: int | None = None,
+                      kv_layout: str | None = None, kv: KVSpec | None = None) -> EngineConfig:
+        """The engine settings for this model's back end (``butter serve``'s flags)."""
+        options: dict[str, object] = {"micro_batch": micro_batch} if micro_batch else {}
+        n_sessions = 0  # the engine's default: parallel + 2 (two idle caches kept)
+        if "kv_layout" in self.backend_options:
+            options["kv_layout"] = kv_layout or DEFAULT_KV_LAYOUT
+            if options["kv_layout"] == "per-session":
+                # A stream per session, capacity / parallel cells each (llama-server's
+                # slots); an idle session keeps its cache in its own stream.
+                n_sessions = parallel
+        elif kv_layout is not None:
+            raise InvalidRequestError(f"The {self.backend_name} back end has no KV layout "
+                                      "choice.")
+        return EngineConfig(parallel=parallel, capacity=capacity or self.info.n_ctx_train,
+                            prefill_chunk=prefill_chunk, n_sessions=n_sessions,
+                            kv=kv or KVSpec(), options=options)
+
+    @property
+    def key(self) -> str:
+        """The checkpoint's identity: ids that resolve to the same key are one model."""
+        return self.resolved.key
+
+    def prepare(self, request: ChatRequest, *, default_thinking: bool | None = None,
+                default_effort: str | None = None) -> Prepared:
+        """Render ``request`` with the checkpoint's template, tokenize it (client text
+        stays text), compile its grammar and make the reader of its answer. Runs on the
+        caller's thread."""
+        self.check_params(request.params)
+        completion = request.raw_prompt is not None or request.prompt_tokens is not None
+        if completion:  # no template, no tool markup
+            plan = PromptPlan(text=request.raw_prompt or "", parse_tools=False,
+                              think_open=False)
+            reader = AnswerReader(StreamParser(parse_think=False), plan)
+        else:
+            plan = build_prompt(request, self.template, default_thinking=default_thinking,
+                                default_effort=default_effort, guard=self.guard)
+            reader = AnswerReader.for_plan(plan, tools=request.tools, formats=self.tool_formats)
+        spec = grammar_for(request, plan)
+        if request.prompt_tokens is not None:
+            tokens = self._checked_ids(request.prompt_tokens)
+        elif request.suffix is not None:
+            tokens = self._infill(request.raw_prompt or "", request.suffix)
+        else:
+            tokens = self.encode(plan.text)
+        return Prepared(tokens, reader, self.grammars.compile(spec) if spec else None)
+
+    def _checked_ids(self, ids: Sequence[int]) -> list[int]:
+        n_vocab = self.info.n_vocab
+        if n_vocab and max(ids) >= n_vocab:
+            raise InvalidRequestError(f"`prompt` holds token {max(ids)}; this model's "
+                                      f"vocabulary has {n_vocab}.", param="prompt")
+        return list(ids)
+
+    def _infill(self, prefix: str, suffix: str) -> list[int]:
+        """Fill in the middle, prefix-suffix-middle as llama-server's /infill lays it out:
+        ``[BOS] <FIM_PRE> prefix <FIM_SUF> suffix <FIM_MID>``; client text stays text."""
+        fim = self.info.fim_tokens
+        if fim is None:
+            raise InvalidRequestError("`suffix` needs fill-in-the-middle tokens, which this "
+                                      "model's vocabulary does not have.", param="suffix")
+        pre, suf, mid = fim
+        with self._in_use():
+            head = self._tokenize("", add_special=True, parse_special=False) \
+                if self.info.add_bos else []
+            return [*head, pre, *self._tokenize(prefix, False, False),
+                    suf, *self._tokenize(suffix, False, False), mid]
+
+    def check_params(self, params: GenerationParams) -> None:
+        """Refuse what only the checkpoint can judge: token ids past its vocabulary."""
+        n_vocab = self.info.n_vocab
+        for token, _ in params.logit_bias:
+            if n_vocab and token >= n_vocab:
+                raise InvalidRequestError(f"`logit_bias` names token {token}; this model's "
+                                          f"vocabulary has {n_vocab}.", param="logit_bias")
 
     def adds_bos(self, prompt: str) -> bool:
         info = self.info
@@ -140,7 +241,8 @@ class Model:
 
     def generate(self, messages_or_prompt: str | Sequence[dict[str, Any]], **options: Any
                  ) -> GenerationResult:
-        """Generate a whole answer. Options: max_tokens, temperature, top_p, seed, stop, tools."""
+        """Generate a whole answer. Options: max_tokens, temperature, top_p, seed, stop, tools,
+        ignore_eos, min_tokens, and chat=True to treat a string as a user message."""
         parts: list[str] = []
         reasoning: list[str] = []
         calls: list[ToolCall] = []
@@ -158,21 +260,23 @@ class Model:
         """Yield :class:`StreamChunk` objects as text arrives; the last has the finish reason."""
         return self._stream(messages_or_prompt, options, [])
 
-    def _reader(self, messages_or_prompt, options: dict[str, Any],
-                params: GenerationParams) -> tuple[str, AnswerReader]:
-        """The prompt text and how to read the answer: raw completion or chat."""
+    def _prompt(self, messages_or_prompt, options: dict[str, Any],
+                params: GenerationParams) -> Prepared:
+        """The prompt's tokens and how to read the answer: raw completion or chat."""
         if isinstance(messages_or_prompt, str) and not options.get("chat", False):
-            plan = PromptPlan(text=messages_or_prompt, parse_tools=False, think_open=False)
-            return plan.text, AnswerReader(StreamParser(parse_think=False), plan)
+            return self.prepare(ChatRequest(messages=[], params=params,
+                                            raw_prompt=messages_or_prompt))
         messages = ([{"role": "user", "content": messages_or_prompt}]
                     if isinstance(messages_or_prompt, str) else messages_or_prompt)
         chat = ChatRequest(messages=parse_messages(list(messages)), params=params,
                            tools=parse_tools(options.get("tools")))
-        plan = build_prompt(chat, self.template, guard=self.guard)
-        return plan.text, AnswerReader.for_plan(plan, tools=chat.tools, formats=self.tool_formats)
+        return self.prepare(chat)
 
     def _stream(self, messages_or_prompt, options: dict[str, Any],
                 calls: list[ToolCall]) -> Iterator[StreamChunk]:
+        unknown = set(options) - GENERATE_OPTIONS
+        if unknown:  # an option the library would not honour is an error, not a no-op
+            raise TypeError(f"generate() got unknown options {sorted(unknown)}")
         stop = options.get("stop") or ()
         params = GenerationParams(
             max_tokens=options.get("max_tokens"),
@@ -180,10 +284,21 @@ class Model:
             top_p=float(options.get("top_p", 1.0)),
             seed=options.get("seed"),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            ignore_eos=bool(options.get("ignore_eos", False)),
+            min_tokens=int(options.get("min_tokens", 0)),
+            top_k=int(options.get("top_k", 40)),
+            frequency_penalty=float(options.get("frequency_penalty", 0.0)),
+            presence_penalty=float(options.get("presence_penalty", 0.0)),
+            repetition_penalty=float(options.get("repetition_penalty", 1.0)),
+            logit_bias=tuple(sorted((int(t), float(b))
+                                    for t, b in (options.get("logit_bias") or {}).items())),
+            min_p=float(options.get("min_p", 0.0)),
         )
-        prompt, reader = self._reader(messages_or_prompt, options, params)
+        self.check_params(params)
+        prepared = self._prompt(messages_or_prompt, options, params)
+        reader = prepared.reader
         channel = SyncChannel()
-        request = Request(self.encode(prompt), params, channel)
+        request = Request(prepared.tokens, params, channel, prepared.constraint)
         engine = self.engine
         engine.submit(request)
         finished = False
@@ -221,7 +336,7 @@ class Model:
             if self.loaded is not None:
                 self.loaded.close()
 
-    def __enter__(self) -> "Model":
+    def __enter__(self) -> Model:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -236,23 +351,89 @@ def _chunks(deltas) -> Iterator[StreamChunk]:
             yield StreamChunk(reasoning=delta.text)
 
 
-def check_loadable(model_id: str, *, plugins: Plugins | None = None) -> ResolvedModel:
-    """Resolve ``model_id`` and refuse what can never load, before touching a resident model."""
-    plugins = plugins or default_plugins()
-    resolved = plugins.resolve(model_id)
-    if resolved.format == "empty":
-        raise ModelLoadError(model_id, f"{resolved.path} holds no model weights "
-                             "(no .gguf file, no config.json with .safetensors).")
-    backend = plugins.backend_for(resolved)
-    precheck = getattr(backend, "precheck", None)
-    if precheck is not None:
-        precheck(resolved)
-    return resolved
+@attrs.frozen
+class CheckedModel:
+    """A resolved checkpoint its back end's pre-check passed: ready to load."""
+
+    resolved: ResolvedModel
+    backend: Backend
+    facts: CheckpointFacts
+
+    @property
+    def model_id(self) -> str:
+        return self.resolved.model_id
 
 
-def load_model(model_id: str, **options: Any) -> Model:
-    """The default loader of ``ResidentServeBackend``: ``Model.load`` with a precheck."""
-    return Model.load(model_id, **options)
+class ModelLoader:
+    """Finds, checks and loads model ids: ``butter serve``'s loader, and swaps'.
+
+    What a request may name (``find``): ids butter knows by name (aliases, hub ids in
+    the local cache, ids a resolver plugin knows) and files and folders under
+    ``models_dirs``; with ``allow_any_path``, any path. ``trusted=True`` (the operator's
+    own ``--model``) allows any path too. Anything else is
+    :class:`ModelNotFoundError`, whether it exists or not, so an id reveals nothing
+    about the disk.
+    """
+
+    def __init__(self, *, backend: str | None = None, threads: int | None = None,
+                 models_dirs: Sequence[str | Path] = (), allow_any_path: bool = False,
+                 plugins: Plugins | None = None,
+                 factory: Callable[[str], Model] | None = None) -> None:
+        self.factory = factory  # a loader callable (``lambda id: Model.load(id)``), if any
+        self.backend = backend
+        self.threads = threads
+        self.models_dirs = tuple(Path(d).expanduser().resolve() for d in models_dirs)
+        self.allow_any_path = allow_any_path
+        self.plugins = plugins or default_plugins()
+
+    def find(self, model_id: str, *, trusted: bool = False) -> ResolvedModel:
+        """Resolve an id a client may name; raise :class:`ModelNotFoundError` otherwise."""
+        free = trusted or self.allow_any_path
+        if not free:
+            for directory in self.models_dirs:
+                candidate = _inside(directory, model_id)
+                if candidate is not None:
+                    found = self.plugins.resolve(str(candidate))
+                    return attrs.evolve(found, model_id=model_id)
+        resolved = self.plugins.resolve(model_id)
+        if resolved.named_path and not free and not self._in_models_dir(resolved.path):
+            raise ModelNotFoundError(model_id)
+        return resolved
+
+    def _in_models_dir(self, path: Path) -> bool:
+        try:
+            real = path.resolve()
+        except (OSError, RuntimeError):
+            return False
+        return any(real.is_relative_to(directory) for directory in self.models_dirs)
+
+    def check(self, resolved: ResolvedModel) -> CheckedModel:
+        """Refuse what can never load, before a resident model is touched."""
+        if resolved.format == "empty":
+            raise ModelLoadError(resolved.model_id, "it holds no model weights (no .gguf "
+                                 "file, no config.json with .safetensors)")
+        backend = self.plugins.backend_for(resolved, self.backend)
+        return CheckedModel(resolved=resolved, backend=backend,
+                            facts=backend.precheck(resolved))
+
+    def load(self, checked: CheckedModel) -> Model:
+        if self.factory is not None:
+            return self.factory(checked.model_id)
+        loaded = checked.backend.load(checked.resolved, threads=self.threads)
+        return Model(loaded, model_id=checked.model_id, resolved=checked.resolved,
+                     backend_name=checked.backend.name, plugins=self.plugins,
+                     backend_options=frozenset(checked.backend.options))
 
 
-load_model.precheck = check_loadable  # type: ignore[attr-defined]
+def _inside(directory: Path, name: str) -> Path | None:
+    """``directory / name`` if ``name`` is a plain relative name that exists there."""
+    if not name or "\0" in name or name.startswith(("/", "~", "\\")):
+        return None
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        return None
+    candidate = directory / relative
+    try:
+        return candidate if candidate.exists() else None
+    except OSError:
+        return None

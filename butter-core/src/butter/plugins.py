@@ -16,10 +16,12 @@ import pluggy
 
 from butter import hookspecs
 from butter.errors import BackendUnavailableError, ModelNotFoundError
+from butter.kvcodec import InvalidCodecError
 
 if TYPE_CHECKING:
     from butter.backend import Backend
     from butter.chat.recovery import ToolFormat
+    from butter.kvcodec import KVCodec
     from butter.resolve import ResolvedModel
 
 log = logging.getLogger(__name__)
@@ -41,25 +43,28 @@ class Plugins:
     """What the plugin system found: back ends, codecs, tool formats, failures."""
 
     manager: pluggy.PluginManager
-    backends: dict[str, "Backend"] = attrs.field(factory=dict)
-    kv_codecs: dict[str, object] = attrs.field(factory=dict)
-    tool_formats: list["ToolFormat"] = attrs.field(factory=list)
+    backends: dict[str, Backend] = attrs.field(factory=dict)
+    kv_codecs: dict[str, KVCodec] = attrs.field(factory=dict)
+    tool_formats: list[ToolFormat] = attrs.field(factory=list)
     failures: list[PluginFailure] = attrs.field(factory=list)
 
-    def resolve(self, model_id: str) -> "ResolvedModel":
+    def resolve(self, model_id: str) -> ResolvedModel:
         """Resolve ``model_id`` or raise :class:`ModelNotFoundError`."""
         resolved = self.manager.hook.resolve_model(model_id=model_id)
         if resolved is None:
             raise ModelNotFoundError(model_id)
         return resolved
 
-    def backend_for(self, resolved: "ResolvedModel", preferred: str | None = None) -> "Backend":
+    def backend_for(self, resolved: ResolvedModel, preferred: str | None = None) -> Backend:
         """The back end that loads ``resolved``: ``preferred`` if given, else the first able one."""
         if preferred is not None:
             backend = self.backends.get(preferred)
             if backend is None:
                 known = ", ".join(sorted(self.backends)) or "none"
                 raise BackendUnavailableError(f"No back end named {preferred!r} (loaded: {known}).")
+            reason = backend.unavailable()
+            if reason is not None:
+                raise BackendUnavailableError(f"Back end {preferred!r} is unavailable: {reason}.")
             if not backend.can_load(resolved):
                 raise BackendUnavailableError(
                     f"Back end {preferred!r} cannot load a {resolved.format} checkpoint."
@@ -72,6 +77,24 @@ class Plugins:
             f"No installed back end can load a {resolved.format} checkpoint "
             "(install butter-core[gguf] or butter-core[mlx])."
         )
+
+    def kv_codec(self, name: str) -> KVCodec:
+        """The codec ``name`` names: a registered one or a recipe a family parses.
+
+        Raise :class:`~butter.kvcodec.InvalidCodecError` with a reason otherwise."""
+        codec = self.kv_codecs.get(name)
+        if codec is None:
+            try:
+                codec = self.manager.hook.parse_kv_codec(name=name)
+            except InvalidCodecError:
+                raise
+            except Exception as exc:  # a broken recipe parser refuses, it does not crash
+                raise InvalidCodecError(f"a codec plugin failed on {name!r}: {exc}") from None
+        if codec is None:
+            known = ", ".join(sorted(self.kv_codecs)) or "none"
+            raise InvalidCodecError(f"unknown codec {name!r} (known: {known}, or a recipe "
+                                    "such as aura4v2)")
+        return codec
 
     def resolver_names(self) -> list[str]:
         return [
@@ -118,7 +141,7 @@ def _collect(plugins: Plugins) -> None:
 
 
 def _add_backend(plugins: Plugins):
-    def register(backend: "Backend") -> None:
+    def register(backend: Backend) -> None:
         plugins.backends[backend.name] = backend
 
     return register

@@ -7,19 +7,21 @@ from pathlib import Path
 import attrs
 
 
-
 @attrs.frozen
 class ResolvedModel:
     """A local checkpoint.
 
     ``format`` is ``"gguf"`` (one file), ``"hf"`` (a directory with a config and
     safetensors) or ``"empty"`` (a directory that holds no weights: loading it fails
-    with that reason).
+    with that reason). ``named_path`` is True when the id itself was a filesystem
+    path; aliases, cached hub ids and ids a plugin knows are names, not paths, and
+    only names (or paths under ``--models-dir``) may be swapped in by a request.
     """
 
     model_id: str
     path: Path
     format: str
+    named_path: bool = False
 
     @property
     def key(self) -> str:

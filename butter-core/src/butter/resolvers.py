@@ -34,27 +34,37 @@ def shipped_model_path() -> Path | None:
 
 @hookimpl
 def resolve_model(model_id: str) -> ResolvedModel | None:
+    try:  # a path the process may not read is one it does not know
+        return _resolve(model_id)
+    except (OSError, RuntimeError, ValueError):
+        return None
+
+
+def _resolve(model_id: str) -> ResolvedModel | None:
     if model_id.strip().lower() in SHIPPED_ALIASES:
         path = shipped_model_path()
         return ResolvedModel(model_id=model_id, path=path, format="gguf") if path else None
     path = Path(model_id).expanduser()
     if path.is_file():
-        return ResolvedModel(model_id=model_id, path=path, format="gguf")
+        return ResolvedModel(model_id=model_id, path=path, format="gguf", named_path=True)
     if path.is_dir():
-        return _resolve_directory(model_id, path)
+        return _resolve_directory(model_id, path, named_path=True)
     snapshot = _hf_cache_snapshot(model_id)
     if snapshot is not None:
-        return _resolve_directory(model_id, snapshot)
+        return _resolve_directory(model_id, snapshot, named_path=False)
     return None
 
 
-def _resolve_directory(model_id: str, directory: Path) -> ResolvedModel:
+def _resolve_directory(model_id: str, directory: Path, *, named_path: bool) -> ResolvedModel:
     ggufs = sorted(directory.glob("*.gguf"))
     if ggufs:
-        return ResolvedModel(model_id=model_id, path=ggufs[0], format="gguf")
+        return ResolvedModel(model_id=model_id, path=ggufs[0], format="gguf",
+                             named_path=named_path)
     if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
-        return ResolvedModel(model_id=model_id, path=directory, format="hf")
-    return ResolvedModel(model_id=model_id, path=directory, format="empty")
+        return ResolvedModel(model_id=model_id, path=directory, format="hf",
+                             named_path=named_path)
+    return ResolvedModel(model_id=model_id, path=directory, format="empty",
+                         named_path=named_path)
 
 
 def _hf_cache_snapshot(model_id: str) -> Path | None:

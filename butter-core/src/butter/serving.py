@@ -10,24 +10,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from butter.chat.prompt import PromptPlan, build_prompt
+from butter.backend import KVSpec
 from butter.chat.answer import AnswerReader
 from butter.chat.recovery import Delta, ToolCall
 from butter.chat.request import ChatRequest
-from butter.engine.events import Admitted, AsyncChannel, Failed, Finished, TextDelta, Usage
+from butter.engine.events import Admitted, AsyncChannel, Failed, Finished, TextDelta
 from butter.engine.records import Request
-from butter.engine.scheduler import EngineConfig
 from butter.errors import (
     ButterError,
-    InternalError,
+    ModelLoadError,
     ModelNotFoundError,
     RequestAbortedError,
 )
+from butter.generation import LogprobsDelta, Usage
 
 if TYPE_CHECKING:
-    from butter.library import Model
+    from butter.library import CheckedModel, Model, ModelLoader, Prepared
+    from butter.resolve import ResolvedModel
 
 log = logging.getLogger("butter.serve")
 
@@ -40,7 +42,7 @@ class Generation:
     work at the next bounded work unit (safe to call at any time, more than once).
     """
 
-    def __init__(self, backend: "ButterServeBackend", request: Request, channel: AsyncChannel,
+    def __init__(self, backend: ButterServeBackend, request: Request, channel: AsyncChannel,
                  reader: AnswerReader) -> None:
         self._backend = backend
         self._request = request
@@ -70,6 +72,8 @@ class Generation:
         while True:
             event = await self._channel.get()
             if isinstance(event, TextDelta):
+                if event.logprobs:
+                    yield LogprobsDelta(event.logprobs)
                 for delta in reader.feed(event.text):
                     yield delta
             elif isinstance(event, Finished):
@@ -119,20 +123,19 @@ class ServeBackend(Protocol):
 class ButterServeBackend:
     """Serves one loaded :class:`~butter.library.Model` with a bounded session pool."""
 
-    def __init__(self, model: "Model", *, model_id: str | None = None,
+    def __init__(self, model: Model, *, model_id: str | None = None,
                  maximum_concurrent_requests: int = 1, max_context: int | None = None,
                  prefill_chunk: int = 256, micro_batch: int | None = None,
+                 kv_layout: str | None = None, kv: KVSpec | None = None,
                  enable_thinking: bool | None = None,
                  reasoning_effort: str | None = None) -> None:
         self.model = model
         self._model_id = model_id or model.model_id
         self.enable_thinking = enable_thinking
         self.reasoning_effort = reasoning_effort
-        capacity = max_context or model.info.n_ctx_train
-        self.engine = model.start_engine(EngineConfig(
-            parallel=maximum_concurrent_requests, capacity=capacity, prefill_chunk=prefill_chunk,
-            options={"micro_batch": micro_batch} if micro_batch else {},
-        ))
+        self.engine = model.start_engine(model.engine_config(
+            parallel=maximum_concurrent_requests, capacity=max_context,
+            prefill_chunk=prefill_chunk, micro_batch=micro_batch, kv_layout=kv_layout, kv=kv))
 
     @property
     def model_id(self) -> str:
@@ -141,6 +144,11 @@ class ButterServeBackend:
     @property
     def healthy(self) -> bool:
         return not self.engine.died
+
+    @property
+    def key(self) -> str:
+        """The checkpoint's identity: ids that resolve to the same key need no swap."""
+        return self.model.key
 
     def model_card(self) -> dict:
         info = self.model.info
@@ -158,26 +166,20 @@ class ButterServeBackend:
                 "parallel": self.engine.config.parallel,
                 "fused_batching": self.engine.fused,
                 **self.engine.runtime_facts,
-                "path": str(self.model.resolved.path),
             },
         }
 
-    def plan(self, request: ChatRequest) -> PromptPlan:
-        return build_prompt(request, self.model.template, default_thinking=self.enable_thinking,
-                            default_effort=self.reasoning_effort, guard=self.model.guard)
-
-    def _prepare(self, request: ChatRequest) -> tuple[PromptPlan, list[int]]:
-        plan = self.plan(request)
-        return plan, self.model.encode(plan.text)
+    def _prepare(self, request: ChatRequest) -> Prepared:
+        return self.model.prepare(request, default_thinking=self.enable_thinking,
+                                  default_effort=self.reasoning_effort)
 
     async def generate(self, request: ChatRequest) -> Generation:
         # Rendering and tokenizing run on a worker thread: neither the event loop nor the
         # engine thread waits for a large prompt.
-        plan, tokens = await asyncio.to_thread(self._prepare, request)
-        reader = AnswerReader.for_plan(plan, tools=request.tools, formats=self.model.tool_formats)
+        prepared = await asyncio.to_thread(self._prepare, request)
         channel = AsyncChannel()
-        engine_request = Request(tokens, request.params, channel)
-        generation = Generation(self, engine_request, channel, reader)
+        engine_request = Request(prepared.tokens, request.params, channel, prepared.constraint)
+        generation = Generation(self, engine_request, channel, prepared.reader)
         self.engine.submit(engine_request)
         try:
             await generation.admitted()
@@ -187,8 +189,8 @@ class ButterServeBackend:
         return generation
 
     async def count_tokens(self, request: ChatRequest) -> int:
-        _, tokens = await asyncio.to_thread(self._prepare, request)
-        return len(tokens)
+        prepared = await asyncio.to_thread(self._prepare, request)
+        return len(prepared.tokens)
 
     def cancel(self, request: Request) -> None:
         self.engine.cancel(request)
@@ -204,28 +206,35 @@ class ButterServeBackend:
 
 
 class ResidentServeBackend:
-    """One resident model, swapped when a request names another resolvable id.
+    """One resident model, swapped when a request names another model it may load.
 
-    ``loader(model_id)`` returns a :class:`~butter.library.Model`. A swap aborts the
-    old model's requests, frees it, then loads the new one; if that fails, the old
-    one is loaded again and keeps serving. ``allow_swap=False`` answers 404 instead.
+    ``loader`` (a :class:`~butter.library.ModelLoader`, or a callable ``id -> Model``
+    wrapped in one) decides which ids a request may name and loads them. A swap pre-checks
+    the new checkpoint first (a file it refuses aborts nothing), then aborts the old
+    model's requests, frees it and loads the new one; if that fails, the old one is
+    loaded again and keeps serving.
+    ``allow_swap=False`` answers 404 instead.
     """
 
-    def __init__(self, loader: Callable[[str], "Model"], initial: str, *,
-                 allow_swap: bool = True, resolve_key: Callable[[str], str] | None = None,
-                 **backend_options) -> None:
+    def __init__(self, loader: ModelLoader | Callable[[str], Model], initial: str, *,
+                 allow_swap: bool = True, **backend_options) -> None:
+        from butter.library import ModelLoader
+
+        if not isinstance(loader, ModelLoader):  # a plain loader callable
+            loader = ModelLoader(factory=loader)
         self._loader = loader
         self._options = backend_options
         self.allow_swap = allow_swap
-        self._resolve_key = resolve_key or _default_key
+        self._initial = initial
         self._lock = asyncio.Lock()
-        self._current = self._build(initial)
+        self._checked = loader.check(loader.find(initial, trusted=True))
+        self._current = self._build(self._checked)
         self.swaps = 0
 
-    def _build(self, model_id: str) -> ButterServeBackend:
-        model = self._loader(model_id)
+    def _build(self, checked: CheckedModel) -> ButterServeBackend:
+        model = self._loader.load(checked)
         try:
-            return ButterServeBackend(model, model_id=model_id, **self._options)
+            return ButterServeBackend(model, model_id=checked.model_id, **self._options)
         except BaseException:
             model.close()
             raise
@@ -248,45 +257,40 @@ class ResidentServeBackend:
     def metrics_text(self) -> str:
         return self._current.metrics_text()
 
-    def _is_resident(self, model_id: str | None) -> bool:
-        current = self._current
-        if not model_id or model_id == current.model_id:
-            return True
-        key = self._resolve_key(model_id)
-        return key is not None and key == str(current.model.resolved.path.resolve())
+    def _find(self, model_id: str) -> ResolvedModel:
+        return self._loader.find(model_id, trusted=model_id == self._initial)
 
     async def backend_for(self, model_id: str | None) -> ButterServeBackend:
-        if self._is_resident(model_id) and not self._lock.locked():
+        if (not model_id or model_id == self._current.model_id) and not self._lock.locked():
             return self._current
+        resolved = await asyncio.to_thread(self._find, model_id) if model_id else None
         async with self._lock:
-            if not self._is_resident(model_id):
+            if resolved is not None and resolved.key != self._current.key:
                 if not self.allow_swap:
                     raise ModelNotFoundError(model_id, "This server does not swap models "
                                              "(--no-swap).")
-                await self._swap(model_id)
+                await self._swap(resolved)
             return self._current
 
-    async def _swap(self, model_id: str) -> None:
-        old = self._current
-        log.info("swap requested: %s -> %s", old.model_id, model_id)
-        await asyncio.to_thread(self._loader_precheck, model_id)
-        aborted = RequestAbortedError(f"The resident model is being swapped to `{model_id}`.")
+    async def _swap(self, resolved: ResolvedModel) -> None:
+        old, old_checked = self._current, self._checked
+        log.info("swap requested: %s -> %s", old.model_id, resolved.model_id)
+        checked = await asyncio.to_thread(self._loader.check, resolved)
+        aborted = RequestAbortedError(
+            f"The resident model is being swapped to `{resolved.model_id}`.")
         await asyncio.to_thread(old.close, aborted)
         try:
-            self._current = await asyncio.to_thread(self._build, model_id)
+            self._current = await asyncio.to_thread(self._build, checked)
+            self._checked = checked
         except Exception as exc:
-            log.warning("swap to %s failed (%s); reloading %s", model_id, exc, old.model_id)
-            self._current = await asyncio.to_thread(self._build, old.model_id)
+            log.warning("swap to %s failed (%s); reloading %s", resolved.model_id, exc,
+                        old.model_id)
+            self._current = await asyncio.to_thread(self._build, old_checked)
             if isinstance(exc, ButterError):
                 raise
-            raise InternalError(f"Loading `{model_id}` failed.") from exc
+            raise ModelLoadError(resolved.model_id, "the back end failed to load it") from exc
         self.swaps += 1
-        log.info("swap done: now serving %s", model_id)
-
-    def _loader_precheck(self, model_id: str) -> None:
-        precheck = getattr(self._loader, "precheck", None)
-        if precheck is not None:
-            precheck(model_id)
+        log.info("swap done: now serving %s", resolved.model_id)
 
     async def generate(self, request: ChatRequest) -> Generation:
         backend = await self.backend_for(request.model)
@@ -298,12 +302,3 @@ class ResidentServeBackend:
 
     async def aclose(self) -> None:
         await self._current.aclose()
-
-
-def _default_key(model_id: str) -> str | None:
-    from butter.library import default_plugins
-
-    try:
-        return default_plugins().resolve(model_id).key
-    except ButterError:
-        return None

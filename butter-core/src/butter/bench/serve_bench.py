@@ -73,7 +73,7 @@ class BenchConfig:
     long_prompt: str | None = None
     long_prompt_lanes: int = 0
     waves: int = 1
-    seed: int = 0
+    seed: int | None = 0  # None: requests carry no seed
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
@@ -114,7 +114,8 @@ def parse_levels(text: str) -> list[int]:
     try:
         levels = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}") from None
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
     return levels
@@ -189,11 +190,12 @@ def plan_wave(config: BenchConfig, *, lanes: int, wave: int) -> list[LaneRequest
             "max_tokens": config.max_tokens,
             "temperature": config.temperature,
             "top_p": config.top_p,
-            "seed": config.seed + lane,
             # Every lane generates exactly max_tokens, so levels compare equal work.
             "ignore_eos": True,
             "min_tokens": config.max_tokens,
         }
+        if config.seed is not None:
+            body["seed"] = config.seed + lane
         requests.append(LaneRequest(lane, wave, marker, is_long, body))
     return requests
 

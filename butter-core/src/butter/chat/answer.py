@@ -19,7 +19,7 @@ class AnswerReader:
         self._unshown = self._opening  # what of the forced opening may still surface
 
     @classmethod
-    def for_plan(cls, plan: PromptPlan, *, tools, formats) -> "AnswerReader":
+    def for_plan(cls, plan: PromptPlan, *, tools, formats) -> AnswerReader:
         parser = StreamParser(tools=tools, parse_tools=plan.parse_tools,
                               think_open=plan.think_open, formats=formats)
         return cls(parser, plan)

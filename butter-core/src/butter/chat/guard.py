@@ -15,7 +15,8 @@ itself, so a client that sends the marker character gets it back as text.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 MARK = "\U000f0000"  # a private-use character
 BASE = 0xF0001

@@ -7,8 +7,9 @@ history are written as ``<tool_call>`` JSON and tool results as
 shows the model a whole agent round trip.
 
 ``tool_choice``: ``none`` leaves the tools out and parses no calls; ``auto`` lets
-the model decide; ``required`` opens the answer with ``<tool_call>`` so the model
-must write a call; a named function opens it with that function's name.
+the model decide; ``required`` and a named function open the answer with
+``<tool_call>`` so the model must write a call (``butter.chat.grammar`` constrains
+it to a declared tool, or the named one, and its arguments' schema).
 """
 
 from __future__ import annotations
@@ -76,12 +77,7 @@ def build_prompt(request: ChatRequest, template: ChatTemplate, *,
 
 
 def _forced_opening(request: ChatRequest) -> str:
-    choice = request.tool_choice
-    if choice.mode == "required":
-        return "<tool_call>\n"
-    if choice.mode == "function" and choice.name:
-        return '<tool_call>\n{"name": ' + json.dumps(choice.name) + ', "arguments": '
-    return ""
+    return "<tool_call>\n" if request.tool_choice.mode in ("required", "function") else ""
 
 
 def _inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict]:

@@ -9,8 +9,9 @@ Rules a client can rely on:
 
 - No markup of a recognised block reaches content; text that might start a tag is held
   back until it is told apart, and released as text as soon as it cannot be one.
-- Markup that does not parse (bad JSON, a block still open at the end) is content,
-  verbatim. Nothing raises out of `feed` or `finish`.
+- Markup that does not parse (bad JSON, a block still open at the end) gives its text
+  up as content *without* the tags, and a close tag with no block open is dropped: no
+  raw tool-call markup ever reaches content. Nothing raises out of `feed` or `finish`.
 - A tool call is emitted when its block closes: only then is it known to be a call,
   and a streamed call cannot be taken back.
 - Whitespace that only separates text from markup (the blank line after ``</think>``,
@@ -168,11 +169,18 @@ class StreamParser:
         if not parse_tools:
             self._formats = ()
         tags = [THINK_OPEN] if parse_think else []
+        closes: list[str] = []
         for fmt in self._formats:
             tags += [tag for tag in fmt.open_tags if tag and tag not in tags]
+            closes += [tag for tag in (*getattr(fmt, "close_tags", ()),
+                                       *getattr(fmt, "inner_tags", ()))
+                       if tag and tag not in closes]
         self._tags = tuple(tags)
-        first_chars = "".join(sorted({tag[0] for tag in tags}))
-        self._tag_start = re.compile(f"[{re.escape(first_chars)}]") if tags else None
+        self._closes = tuple(closes)  # dropped wherever they stand outside a block
+        watched = tags + closes
+        first_chars = "".join(sorted({tag[0] for tag in watched}))
+        self._tag_start = re.compile(f"[{re.escape(first_chars)}]") if watched else None
+        self._markup = _markup_pattern(self._formats)
         self._mode = _Mode.THINK if parse_think and think_open else _Mode.TEXT
         self._buffer = ""
         self._content = _Channel()
@@ -220,11 +228,21 @@ class StreamParser:
     def _step_text(self, out: list[Delta], *, final: bool) -> bool:
         start, tag = self._find_tag(self._buffer)
         if tag is None and final:
+            held = self._buffer[start:]
+            if len(held) > 1 and any(close.startswith(held) for close in self._closes):
+                self._buffer = self._buffer[:start]  # a close tag cut off at the end
             start = len(self._buffer)  # what looked like a tag's start is plain text
         self._emit(out, ContentDelta, self._content.push(self._buffer[:start]))
         self._buffer = self._buffer[start:]
         if tag is None:
             return False
+        if tag in self._closes:  # a close tag with no block open: markup, never content
+            end = _tag_end(self._buffer, tag)
+            if end is None and not final:
+                return False  # ``<parameter=`` waits for its ``>``
+            self._buffer = self._buffer[end or len(tag):]
+            self._content.markup()
+            return True
         if tag == THINK_OPEN:
             self._buffer = self._buffer[len(tag) :]
             self._content.markup()
@@ -242,13 +260,14 @@ class StreamParser:
         from index on could still become one; (len(text), None) when there is none."""
         if self._tag_start is None:
             return len(text), None
+        watched = self._tags + self._closes
         for match in self._tag_start.finditer(text):
             start = match.start()
-            for tag in self._tags:
+            for tag in watched:
                 if text.startswith(tag, start):
                     return start, tag
-            rest = text[start : start + max(map(len, self._tags))]
-            if any(len(rest) < len(tag) and tag.startswith(rest) for tag in self._tags):
+            rest = text[start : start + max(map(len, watched))]
+            if any(len(rest) < len(tag) and tag.startswith(rest) for tag in watched):
                 return start, None
         return len(text), None
 
@@ -291,11 +310,11 @@ class StreamParser:
         self._candidates = waiting
         if waiting:
             return False
-        # No format takes it: the markup is text. A malformed block goes out whole, up
-        # to the first open tag inside it; a rejected or unclosed one gives up only its
-        # open tag. The rest is scanned again.
-        end = max(self._rejected_end, len(self._block_tag))
-        self._emit(out, ContentDelta, self._content.push(block[:end]))
+        # No format takes it: its text is content, without the markup. A malformed block
+        # goes out up to the first open tag inside it; a rejected or unclosed one gives
+        # up only its open tag. The rest is scanned again.
+        end = max(self._rejected_end, _tag_end(block, self._block_tag) or len(self._block_tag))
+        self._emit(out, ContentDelta, self._content.push(self._markup.sub("", block[:end])))
         self._buffer = block[end:]
         self._mode = _Mode.TEXT
         return True
@@ -324,6 +343,29 @@ class StreamParser:
     def _emit(out: list[Delta], kind: type[ContentDelta] | type[ReasoningDelta], text: str) -> None:
         if text:
             out.append(kind(text))
+
+
+def _tag_end(text: str, tag: str) -> int | None:
+    """Where the tag at the start of ``text`` ends: past its ``>`` for a tag ending in
+    ``=`` (``<function=name>``), None while that ``>`` has not arrived."""
+    if not tag.endswith("="):
+        return len(tag)
+    close = text.find(">", len(tag))
+    newline = text.find("\n", len(tag))
+    if close < 0 or 0 <= newline < close:
+        return None if close < 0 and newline < 0 else len(tag)
+    return close + 1
+
+
+def _markup_pattern(formats: Sequence[ToolFormat]) -> re.Pattern[str]:
+    """The tags of ``formats``; an open tag ending in ``=`` (``<function=``) runs to ``>``."""
+    parts = []
+    for fmt in formats:
+        for tag in (*fmt.open_tags, *getattr(fmt, "close_tags", ()),
+                    *getattr(fmt, "inner_tags", ())):
+            if tag:
+                parts.append(re.escape(tag) + (r"[^>\n]*>" if tag.endswith("=") else ""))
+    return re.compile("|".join(sorted(set(parts), key=len, reverse=True)) or r"(?!)")
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -1,24 +1,28 @@
-"""A chat request, validated: the one shape both HTTP dialects are turned into.
+"""A chat request, validated: the one shape both API dialects are turned into.
 
-``parse_chat_completion`` reads an OpenAI ``/v1/chat/completions`` body; the
-Anthropic route builds the same :class:`ChatRequest` in ``butter.chat.anthropic``.
-Every problem is an :class:`InvalidRequestError` naming the field; unknown fields
-are ignored.
+Messages and tools are held in OpenAI's shape. ``butter.wire.openai`` and
+``butter.wire.anthropic`` read their dialect's body into a :class:`ChatRequest` with
+the validators here. Every problem is an :class:`InvalidRequestError` naming the
+field; unknown fields are ignored.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+import re
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
-from butter.engine.records import GenerationParams
 from butter.errors import InvalidRequestError
+from butter.generation import GenerationParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 DEFAULT_TEMPERATURE = 0.8  # llama-server's default; OpenAI's is 1.0
 MAX_STOP_SEQUENCES = 16
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+DEFAULT_TOP_K = 40  # llama-server's
 MAX_JSON_DEPTH = 64  # request bodies are shallow; deep nesting only costs recursion later
 # Names the chat template receives from butter itself; a client may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
@@ -29,6 +33,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_promp
 class ToolChoice:
     mode: str = "auto"  # "none" | "auto" | "required" | "function"
     name: str | None = None
+
+
+@attrs.frozen
+class ResponseFormat:
+    """``response_format`` json_object or json_schema: the answer is JSON (``schema``)."""
+
+    schema: dict[str, Any]
+    name: str = "json_object"
+    strict: bool = False
 
 
 @attrs.frozen
@@ -43,6 +56,12 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = attrs.field(factory=dict)
     enable_thinking: bool | None = None
     reasoning_effort: str | None = None
+    n: int = 1  # choices: n generations, seeds seed, seed+1, ...
+    raw_prompt: str | None = None  # /v1/completions: the prompt as is, no chat template
+    prompt_tokens: tuple[int, ...] | None = None  # /v1/completions: the prompt as token ids
+    suffix: str | None = None  # /v1/completions: fill in the middle, before this text
+    echo: bool = False  # /v1/completions: the prompt leads each choice's text
+    response_format: ResponseFormat | None = None  # None: free text
 
     @property
     def wants_tools(self) -> bool:
@@ -167,13 +186,13 @@ def _stops(value: Any, key: str) -> tuple[str, ...]:
 def generation_params(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...],
                       stop_key: str) -> GenerationParams:
     max_tokens = None
-    for key in max_tokens_keys:
+    for key in max_tokens_keys:  # every one given is checked; the first one wins
         value = _integer(body, key, low=1)
-        if value is not None:
+        if value is not None and max_tokens is None:
             max_tokens = value
-            break
     seed = _integer(body, "seed")
     min_tokens = _integer(body, "min_tokens", low=0) or 0
+    top_k = _integer(body, "top_k", low=-1)
     return GenerationParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, low=0.0, high=2.0),
@@ -182,45 +201,33 @@ def generation_params(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ..
         stop=_stops(body.get(stop_key), stop_key),
         ignore_eos=bool(_boolean(body, "ignore_eos")),
         min_tokens=min_tokens,
+        top_k=DEFAULT_TOP_K if top_k is None else max(top_k, 0),  # -1 (vLLM) and 0: off
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.01, high=10.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
     )
 
 
-# ---- OpenAI chat completions ----------------------------------------------------------
-
-def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequestError("`model` must be a string.", param="model")
-    n = _integer(body, "n", low=1)
-    if n is not None and n != 1:
-        raise InvalidRequestError("Only `n: 1` is supported.", param="n")
-    stream = bool(_boolean(body, "stream"))
-    stream_options = _object(body, "stream_options")
-    kwargs = _object(body, "chat_template_kwargs")
-    effort = body.get("reasoning_effort")
-    if effort is not None and effort not in ("low", "medium", "high", "minimal", "none"):
-        raise InvalidRequestError("`reasoning_effort` must be low, medium or high.",
-                                  param="reasoning_effort")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if reserved:
-        raise InvalidRequestError(f"`chat_template_kwargs` may not set {', '.join(reserved)}: "
-                                  "the server renders those from the request.",
-                                  param="chat_template_kwargs")
-    thinking = kwargs.get("enable_thinking")
-    tools = parse_tools(body.get("tools"))
-    return ChatRequest(
-        messages=parse_messages(body.get("messages")),
-        params=generation_params(body, max_tokens_keys=("max_completion_tokens", "max_tokens"),
-                                 stop_key="stop"),
-        model=model,
-        stream=stream,
-        include_usage=bool(stream_options.get("include_usage")),
-        tools=tools,
-        tool_choice=_tool_choice(body.get("tool_choice"), tools),
-        template_kwargs=kwargs,
-        enable_thinking=thinking if isinstance(thinking, bool) else None,
-        reasoning_effort=effort,
-    )
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` with biases in -100..100."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"`logit_bias` must be an object of at most {MAX_LOGIT_BIAS} "
+                                  "token ids.", param="logit_bias")
+    biases = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 9):
+            raise InvalidRequestError(f"`logit_bias` key {key!r} is not a token id.",
+                                      param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise InvalidRequestError("`logit_bias` values must be numbers in -100..100.",
+                                      param="logit_bias")
+        biases.append((int(key), float(bias)))
+    return tuple(sorted(biases))
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
@@ -239,6 +246,9 @@ def _message(item: Any, index: int) -> dict[str, Any]:
     if not isinstance(role, str) or role not in ROLES:
         raise InvalidRequestError(f"`{where}.role` must be one of {sorted(ROLES)}.",
                                   param=f"{where}.role")
+    if item.get("content") is None and role in ("system", "developer", "user", "tool"):
+        raise InvalidRequestError(f"`{where}.content` is required for a {role} message.",
+                                  param=f"{where}.content")
     message: dict[str, Any] = {"role": role, "content": content_text(item.get("content"),
                                                                      f"{where}.content")}
     if role == "assistant" and item.get("tool_calls"):
@@ -293,6 +303,42 @@ def _history_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def parse_response_format(value: Any) -> ResponseFormat | None:
+    """OpenAI's ``response_format``: text (None), json_object or json_schema."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("`response_format` must be an object.",
+                                  param="response_format")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat(schema={"type": "object"})
+    if kind != "json_schema":
+        raise InvalidRequestError("`response_format.type` must be text, json_object or "
+                                  "json_schema.", param="response_format.type")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequestError("`response_format.json_schema` is required with type "
+                                  "json_schema: an object with `name` and `schema`.",
+                                  param="response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+        raise InvalidRequestError("`response_format.json_schema.name` must be 1 to 64 letters, "
+                                  "digits, underscores or dashes.",
+                                  param="response_format.json_schema.name")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("`response_format.json_schema.schema` must be a JSON Schema "
+                                  "object.", param="response_format.json_schema.schema")
+    strict = _boolean(spec, "strict")
+    return ResponseFormat(schema=schema, name=name, strict=bool(strict))
+
+
 def parse_tools(value: Any) -> list[dict[str, Any]]:
     if value is None:
         return []
@@ -313,24 +359,3 @@ def parse_tools(value: Any) -> list[dict[str, Any]]:
             entry["description"] = function["description"]
         tools.append({"type": "function", "function": entry})
     return tools
-
-
-def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
-    if value is None:
-        return ToolChoice()
-    if isinstance(value, str) and value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise InvalidRequestError("`tool_choice: required` needs `tools`.",
-                                      param="tool_choice")
-        return ToolChoice(mode=value)
-    if isinstance(value, dict):
-        function = value.get("function")
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            name = function["name"]
-            if name not in {tool["function"]["name"] for tool in tools}:
-                raise InvalidRequestError(f"`tool_choice` names `{name}`, which is not one of "
-                                          "`tools`.", param="tool_choice")
-            return ToolChoice(mode="function", name=name)
-    raise InvalidRequestError("`tool_choice` must be none, auto, required or "
-                              '{"type": "function", "function": {"name": ...}}.',
-                              param="tool_choice")

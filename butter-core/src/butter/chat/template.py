@@ -11,7 +11,8 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.meta

@@ -59,6 +59,10 @@ class ToolFormat(Protocol):
         """Literal strings that start a block of this format, e.g. ``("<tool_call>",)``."""
         ...
 
+    # Optional: ``close_tags``, tags that end blocks (or sit inside them) and are dropped
+    # wherever they stand outside a parsed block, and ``inner_tags``, opened only inside
+    # a block; both are stripped from a block given up as content: no markup reaches it.
+
     def block_end(self, text: str) -> int | None:
         """Given text starting at one of `open_tags`: the index just past the block's
         end; None while the block may still close; `NOT_A_BLOCK` when it cannot be a
@@ -115,6 +119,10 @@ class JsonToolFormat:
     @property
     def open_tags(self) -> tuple[str, ...]:
         return (self.open_tag,)
+
+    @property
+    def close_tags(self) -> tuple[str, ...]:
+        return (self.close_tag,)
 
     def block_end(self, text: str) -> int | None:
         start = _skip_whitespace(text, len(self.open_tag))
@@ -198,6 +206,14 @@ class XmlToolFormat:
     @property
     def open_tags(self) -> tuple[str, ...]:
         return (self.wrapper_open, _FUNCTION)
+
+    @property
+    def close_tags(self) -> tuple[str, ...]:
+        return (self.wrapper_close, "</function>", "</parameter>")
+
+    @property
+    def inner_tags(self) -> tuple[str, ...]:
+        return ("<parameter=",)
 
     def block_end(self, text: str) -> int | None:
         if text.startswith(_FUNCTION):

@@ -1,49 +1,53 @@
-"""``butter serve``: load the model (with progress), then serve it until stopped."""
+"""``butter serve``: check every flag, load the model (with progress), serve until stopped."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import re
+import socket
+from pathlib import Path
 
-from butter.cli.main import console, setup_logging
+from butter.backend import KVSpec
+from butter.cli.main import (
+    DEFAULT_WINDOW_KEEP,
+    MAX_BATCH,
+    MAX_PARALLEL,
+    MAX_THREADS,
+    UsageError,
+    console,
+    setup_logging,
+)
+from butter.engine.scheduler import DEFAULT_KV_LAYOUT
+from butter.errors import ButterError
+from butter.http.access import DEFAULT_ALLOWED_ORIGINS, AccessPolicy, is_loopback
 from butter.http.app import ROUTES
 from butter.http.server import ServeServer
-from butter.library import Model, check_loadable, default_plugins
-from butter.resolve import ResolvedModel
+from butter.kvcodec import InvalidCodecError
+from butter.library import ModelLoader, default_plugins
 from butter.serving import ResidentServeBackend
 
 log = logging.getLogger("butter.serve")
 
-
-class Loader:
-    """Loads a model id the way the CLI was told to (back end, threads)."""
-
-    def __init__(self, *, backend: str | None, threads: int | None) -> None:
-        self.backend = backend
-        self.threads = threads
-
-    def __call__(self, model_id: str) -> Model:
-        return Model.load(model_id, backend=self.backend, threads=self.threads)
-
-    def precheck(self, model_id: str) -> ResolvedModel:
-        return check_loadable(model_id)
+CONTEXT_GRANULE = 256  # llama.cpp rounds a context up to this; butter takes only exact ones
+_ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$", re.IGNORECASE)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    if args.kv_cache != "raw":
-        codecs = default_plugins().kv_codecs
-        log.warning("KV codec %r is not available on this back end (known: %s); using raw",
-                    args.kv_cache, ", ".join(sorted(codecs)) or "raw")
+    loader, access, kv = check_flags(args)
     with console.status(f"Loading [bold]{args.model}[/bold]…", spinner="dots"):
         resident = ResidentServeBackend(
-            Loader(backend=args.backend, threads=args.threads), args.model,
+            loader, args.model,
             allow_swap=not args.no_swap,
             maximum_concurrent_requests=args.parallel,
             max_context=args.max_context,
             prefill_chunk=args.prefill_chunk,
             micro_batch=args.ubatch_size,
+            kv_layout=args.kv_layout,
+            kv=kv,
             enable_thinking=args.enable_thinking,
             reasoning_effort=args.reasoning_effort,
         )
@@ -56,9 +60,126 @@ def run_serve(args: argparse.Namespace) -> int:
         highlight=False,
     )
     server = ServeServer(host=args.host, port=args.port, backend=resident,
-                         close_backend_on_shutdown=True, on_listening=_announce)
+                         close_backend_on_shutdown=True, on_listening=_announce, access=access)
     asyncio.run(server.run_forever())
-    return 0
+    return server.exit_code
+
+
+def check_flags(args: argparse.Namespace) -> tuple[ModelLoader, AccessPolicy, KVSpec]:
+    """Refuse any flag that cannot work, before anything loads (raises :class:`UsageError`)."""
+    if args.kv_window_keep is not None and args.kv_window_size is None:
+        raise UsageError("--kv-window-keep", "needs --kv-window-size")
+    window, keep = args.kv_window_size, args.kv_window_keep
+    if keep is None:
+        keep = min(DEFAULT_WINDOW_KEEP, window - 1) if window else 0
+    if window is not None and keep >= window:
+        raise UsageError("--kv-window-keep", f"{keep} positions kept leave nothing of a "
+                         f"{window}-position window to shift")
+    plugins = default_plugins()
+    try:
+        codec = plugins.kv_codec(args.kv_cache)
+    except InvalidCodecError as error:
+        raise UsageError("--kv-cache", str(error)) from None
+    if args.aura_decode_path is not None and codec.family != "aura":
+        raise UsageError("--aura-decode-path", f"applies to AURA codecs, not {codec.name!r}")
+    kv = KVSpec(codec=codec, decode_path=args.aura_decode_path or "compressed",
+                window=window, keep=keep)
+    if args.backend is not None and args.backend not in plugins.backends:
+        known = ", ".join(sorted(plugins.backends)) or "none"
+        raise UsageError("--backend", f"no back end named {args.backend!r} (known: {known})")
+    _at_most("--parallel", args.parallel, MAX_PARALLEL)
+    _at_most("--threads", args.threads, MAX_THREADS)
+    _at_most("--ubatch-size", args.ubatch_size, MAX_BATCH)
+    _at_most("--prefill-chunk", args.prefill_chunk, MAX_BATCH)
+    if args.max_context is not None and args.max_context % CONTEXT_GRANULE:
+        raise UsageError("--max-context", f"{args.max_context} is not a multiple of "
+                         f"{CONTEXT_GRANULE}")
+    for directory in args.models_dir:
+        if not Path(directory).expanduser().is_dir():
+            raise UsageError("--models-dir", f"{directory} is not a directory")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key", "the key is empty")
+    access = AccessPolicy(allowed_origins=parse_origins(args.allowed_origins),
+                          api_key=args.api_key, loopback_only=is_loopback(args.host))
+    check_listen(args.host, args.port)
+    loader = ModelLoader(backend=args.backend, threads=args.threads,
+                         models_dirs=args.models_dir, allow_any_path=args.allow_any_path,
+                         plugins=plugins)
+    try:
+        checked = loader.check(loader.find(args.model, trusted=True))
+    except ButterError as error:
+        raise UsageError("--model", error.message) from None
+    backend = checked.backend
+    if args.threads is not None and not backend.takes_threads:
+        raise UsageError("--threads", f"the {backend.name} back end sets no thread count")
+    if args.ubatch_size is not None and "micro_batch" not in backend.options:
+        raise UsageError("--ubatch-size", f"the {backend.name} back end has no micro-batch")
+    if kv.decode_path not in getattr(backend, "decode_paths", ("compressed",)):
+        raise UsageError("--aura-decode-path", f"the {backend.name} back end attends on its "
+                         f"cache as stored; it has no {kv.decode_path} path")
+    if window is not None and not getattr(backend, "kv_windows", False):
+        raise UsageError("--kv-window-size", f"the {backend.name} back end has no KV window "
+                         "in this build")
+    if args.kv_layout is not None and "kv_layout" not in backend.options:
+        raise UsageError("--kv-layout", f"the {backend.name} back end keeps a cache per "
+                         "session; it has no layout choice")
+    trained = checked.facts.context_length
+    # A KV stream per session (the GGUF default) gives each --max-context / --parallel.
+    streams = args.parallel if "kv_layout" in backend.options \
+        and (args.kv_layout or DEFAULT_KV_LAYOUT) == "per-session" else 1
+    if args.max_context is not None and trained and args.max_context > trained * streams:
+        each = " per session" if streams > 1 else ""
+        raise UsageError("--max-context", f"{args.max_context} gives more{each} than the "
+                         f"model's trained context ({trained})")
+    if window is not None:
+        _check_window(args, window, trained, streams)
+    return loader, access, kv
+
+
+def _check_window(args: argparse.Namespace, window: int, trained: int | None,
+                  streams: int) -> None:
+    if trained and window > trained:
+        raise UsageError("--kv-window-size", f"{window} is more than the model's trained "
+                         f"context ({trained})")
+    total = args.max_context or trained  # the engine's default context: the trained one
+    cells = total // streams if total else None
+    if cells is not None and window > cells:
+        each = " per session" if streams > 1 else ""
+        raise UsageError("--kv-window-size", f"{window} is more than the {cells} cells{each} "
+                         "--max-context gives")
+
+
+def _at_most(flag: str, value: int | None, limit: int) -> None:
+    if value is not None and value > limit:
+        raise UsageError(flag, f"{value} is more than {limit}")
+
+
+def parse_origins(text: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: comma-separated origins, ``scheme://host:*`` or ``*``."""
+    if text is None:
+        return DEFAULT_ALLOWED_ORIGINS
+    origins = tuple(item.strip() for item in text.split(",") if item.strip())
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.match(origin):
+            raise UsageError("--allowed-origins", f"{origin!r} is not an origin like "
+                             "http://host:port")
+    return origins
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail now, not after loading, when ``host:port`` cannot be listened on."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        raise UsageError("--host", f"cannot resolve {host!r}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            flag = "--port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+            raise UsageError(flag, f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 def _announce(server: ServeServer) -> None:

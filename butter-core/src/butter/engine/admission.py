@@ -12,6 +12,9 @@ quantized or windowed cache admits more, and a copied fork costs what it copies:
   sessions that stay cached hold fit in ``kv.budget_bytes``. Idle caches are evicted
   least recently used first; if even that is not enough, the request waits.
 
+With a KV window the prompt must fit the window and the answer may run past it (the
+runtime drops old positions); a session whose window shifted is never reused or forked.
+
 Default completion budget when the client sends no ``max_tokens``: the request's
 share of the cache (``capacity // parallel``, as llama-server splits its context
 into slots) minus the prompt, but at least ``DEFAULT_MIN_COMPLETION`` tokens, and
@@ -20,7 +23,7 @@ never more than what one session can hold next to the prompt.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from butter.backend import KVFacts
 from butter.engine.records import Request, Session
@@ -52,6 +55,12 @@ class Admission:
         prompt = len(request.prompt_tokens)
         asked = request.params.max_tokens
         capacity = self.capacity
+        if self.kv.window is not None:  # the prompt fits the window; the answer runs past it
+            if prompt > capacity:
+                raise ContextLengthExceededError(
+                    prompt_tokens=prompt, requested_tokens=asked or 1, context_window=capacity)
+            return asked if asked is not None else \
+                max(capacity // self.parallel - prompt, DEFAULT_MIN_COMPLETION)
         if asked is not None:
             if prompt + asked > capacity:
                 raise ContextLengthExceededError(
@@ -69,7 +78,9 @@ class Admission:
     def pick_session(
         self, idle: Sequence[Session], prompt: Sequence[int]
     ) -> tuple[Session | None, int]:
-        """The idle session with the longest reusable prefix (then least recently used).
+        """The idle session with the longest reusable prefix (then least recently used;
+        with a KV stream per session, the lowest: busy sessions then sit side by side,
+        and llama.cpp batches the rows of consecutive streams only).
 
         At least one prompt token is always left to prefill, so the last position
         produces fresh logits. A cache that cannot be cut where the prompt departs
@@ -77,26 +88,30 @@ class Admission:
         """
         best: Session | None = None
         best_reuse = -1
-        for session in sorted(idle, key=lambda s: s.last_used):
+        order = (lambda s: s.seq_id) if self.kv.per_session else (lambda s: s.last_used)
+        for session in sorted(idle, key=order):
             reuse = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-            if not self.kv.can_truncate(len(session.tokens), reuse):
+            if not self.kv.can_truncate(len(session.tokens), reuse) \
+                    or self.kv.wrapped(len(session.tokens)):
                 reuse = 0
             if reuse > best_reuse:
                 best, best_reuse = session, reuse
         return best, max(best_reuse, 0)
 
-    @staticmethod
     def best_source(
-        sessions: Sequence[Session], prompt: Sequence[int], *, better_than: int
+        self, sessions: Sequence[Session], prompt: Sequence[int], *, better_than: int
     ) -> tuple[Session | None, int]:
         """The session, idle or busy, holding the longest prefix of ``prompt``.
 
         Returns (None, 0) unless it beats ``better_than`` (what the leased session
-        already holds). Like :meth:`pick_session`, leaves one prompt token to prefill.
+        already holds). Like :meth:`pick_session`, leaves one prompt token to prefill;
+        a session whose window shifted holds no prefix to give.
         """
         best: Session | None = None
         best_shared = better_than
         for session in sessions:
+            if self.kv.wrapped(len(session.tokens)):
+                continue
             shared = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
             if shared > best_shared:
                 best, best_shared = session, shared
@@ -112,9 +127,12 @@ class Admission:
         """Idle sessions to evict so ``request`` fits, or None if it must wait."""
         if session is None:
             return None
+        if self.kv.per_session:  # the session's own cells hold it (``plan`` checked)
+            return []
         cost, budget = self.kv.cost, self.kv.budget_bytes
         reserved = sum(cost(r.reservation) for r in active) + cost(request.reservation)
-        others = sorted((s for s in idle if s is not session and s.tokens), key=lambda s: s.last_used)
+        others = sorted((s for s in idle if s is not session and s.tokens),
+                        key=lambda s: s.last_used)
         held = sum(cost(len(s.tokens)) for s in others)
         evict: list[Session] = []
         for victim in others:

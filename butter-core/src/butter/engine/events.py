@@ -8,22 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from typing import Protocol, Union
+from typing import Protocol
 
 import attrs
 
 from butter.errors import ButterError
-
-
-@attrs.frozen
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+from butter.generation import Logprob, Usage
 
 
 @attrs.frozen
@@ -36,6 +26,8 @@ class Admitted:
 @attrs.frozen
 class TextDelta:
     text: str
+    # The log-probabilities of the tokens this text completes (when the request asked).
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @attrs.frozen
@@ -50,7 +42,7 @@ class Failed:
     error: ButterError
 
 
-Event = Union[Admitted, TextDelta, Finished, Failed]
+Event = Admitted | TextDelta | Finished | Failed
 
 
 class Channel(Protocol):

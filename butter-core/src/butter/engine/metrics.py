@@ -1,14 +1,56 @@
-"""Counters and gauges the engine keeps, rendered as Prometheus text.
+"""Counters, gauges and latency histograms the engine keeps, exposed for Prometheus.
 
-Only the engine thread writes; readers (``GET /metrics``) read plain ints under
-the GIL, so a scrape may be one step stale but never torn.
+Only the engine thread writes. Counters and gauges are plain ints that a collector
+reads at scrape time under the GIL, so a scrape may be one step stale but never torn.
+The latency histograms are ``prometheus_client`` histograms (each guards its own
+buckets) in a registry of this engine's own, never the process-wide default one: the
+engines of a swap, or of a test session, never share or collide on a series.
+
+Every series carries ``model="<served id>"``. Only the serving side knows that id
+(a back end may serve a model under another name), so it is added at scrape time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import attrs
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 CANCEL_PHASES = ("queued", "prefill", "decode")
+
+# vLLM's buckets, so dashboards and alerts written for vLLM read butter unchanged.
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+                               640.0, 2560.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                                 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Latency:
+    """Per-request timings in seconds, measured on the engine's monotonic clock."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.time_to_first_token = Histogram(
+            "butter_time_to_first_token_seconds",
+            "From submission to the request's first sampled token.",
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=registry)
+        self.time_per_output_token = Histogram(
+            "butter_time_per_output_token_seconds",
+            "Between two consecutive sampled tokens of one request.",
+            buckets=TIME_PER_OUTPUT_TOKEN_BUCKETS, registry=registry)
+        self.e2e_request_latency = Histogram(
+            "butter_e2e_request_latency_seconds",
+            "From submission to the end of a request that finished (stop or length).",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
+        self.request_queue_time = Histogram(
+            "butter_request_queue_time_seconds",
+            "From submission until the request got a session.",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
 
 
 @attrs.define
@@ -33,51 +75,106 @@ class Metrics:
     kv_capacity_cells: int = 0
     kv_reserved_cells: int = 0
     kv_used_cells: int = 0
+    kv_budget_bytes: int = 0
+    kv_token_bytes: int = 0
+    kv_reserved_bytes: int = 0
+    kv_used_bytes: int = 0
+    engine_alive: int = 0  # 1 from a started runtime until the engine thread ends
+    # Histograms.
+    registry: CollectorRegistry = attrs.field(factory=CollectorRegistry, eq=False, repr=False)
+    latency: Latency = attrs.field(
+        default=attrs.Factory(lambda self: Latency(self.registry), takes_self=True),
+        eq=False, repr=False)
 
     def render(self, *, model_id: str, fused: bool) -> str:
-        label = f'model="{_escape(model_id)}"'
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, value: int, extra: str = "") -> None:
-            labels = f"{label},{extra}" if extra else label
-            if not any(line.startswith(f"# HELP butter_{name} ") for line in lines):
-                lines.append(f"# HELP butter_{name} {help_text}")
-                lines.append(f"# TYPE butter_{name} {kind}")
-            lines.append(f"butter_{name}{{{labels}}} {value}")
-
-        metric("requests_total", "counter", "Requests admitted by the engine.", self.requests_total)
-        metric("requests_rejected_total", "counter", "Requests refused at admission.",
-               self.requests_rejected)
-        metric("requests_failed_total", "counter", "Requests that failed while running.",
-               self.requests_failed)
-        metric("active_requests", "gauge", "Requests holding a session.", self.active_requests)
-        metric("queued_requests", "gauge", "Requests waiting in the FIFO.", self.queued_requests)
-        metric("sessions", "gauge", "Sessions in the pool.", self.sessions_total)
-        metric("sessions_busy", "gauge", "Sessions leased to a request.", self.sessions_busy)
-        metric("kv_capacity_cells", "gauge", "KV cells in the shared cache.", self.kv_capacity_cells)
-        metric("kv_reserved_cells", "gauge", "KV cells reserved by active requests.",
-               self.kv_reserved_cells)
-        metric("kv_used_cells", "gauge",
-               "KV cells holding tokens (active and idle sessions; a shared prefix counts "
-               "once per session that holds it).", self.kv_used_cells)
-        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
-               self.prompt_tokens)
-        metric("cached_tokens_total", "counter", "Prompt tokens reused from a session's KV.",
-               self.cached_tokens)
-        metric("generated_tokens_total", "counter", "Completion tokens sampled.",
-               self.generated_tokens)
-        metric("prefill_chunks_total", "counter", "Prefill chunks run.", self.prefill_chunks)
-        metric("prefill_tokens_total", "counter", "Prompt tokens prefilled.", self.prefill_tokens)
-        metric("decode_steps_total", "counter", "Engine steps that decoded at least one token.",
-               self.decode_steps)
-        metric("model_passes_total", "counter", "Native model calls (llama_decode).",
-               self.model_passes)
-        for phase, count in self.cancellations.items():
-            metric("cancellations_total", "counter", "Requests cancelled, by phase.", count,
-                   f'phase="{phase}"')
-        metric("fused_batching", "gauge", "1 when sessions share model passes.", int(fused))
-        return "\n".join(lines) + "\n"
+        """The Prometheus text exposition of every series, labelled ``model=model_id``."""
+        return generate_latest(_Exposition(self, model_id=model_id, fused=fused)).decode()
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _Exposition(Collector):
+    """One scrape: the ints read now, then the histograms, all with the model label."""
+
+    def __init__(self, metrics: Metrics, *, model_id: str, fused: bool) -> None:
+        self.metrics = metrics
+        self.model_id = model_id
+        self.fused = fused
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        yield self._counter("butter_requests_total", "Requests admitted by the engine.",
+                            m.requests_total)
+        yield self._counter("butter_requests_rejected_total", "Requests refused at admission.",
+                            m.requests_rejected)
+        yield self._counter("butter_requests_failed_total", "Requests that failed while running.",
+                            m.requests_failed)
+        yield self._gauge("butter_active_requests", "Requests holding a session.",
+                          m.active_requests)
+        yield self._gauge("butter_queued_requests", "Requests waiting in the FIFO.",
+                          m.queued_requests)
+        yield self._gauge("butter_sessions", "Sessions in the pool.", m.sessions_total)
+        yield self._gauge("butter_sessions_busy", "Sessions leased to a request.", m.sessions_busy)
+        yield self._gauge("butter_kv_capacity_cells", "KV cells in the shared cache.",
+                          m.kv_capacity_cells)
+        yield self._gauge("butter_kv_reserved_cells", "KV cells reserved by active requests.",
+                          m.kv_reserved_cells)
+        yield self._gauge("butter_kv_used_cells",
+                          "KV cells holding tokens (active and idle sessions; a shared prefix "
+                          "counts once per session that holds it).", m.kv_used_cells)
+        yield self._gauge("butter_kv_budget_bytes", "KV memory every session shares, in bytes.",
+                          m.kv_budget_bytes)
+        yield self._gauge("butter_kv_token_bytes",
+                          "Bytes one cached token costs in the KV codec in use.", m.kv_token_bytes)
+        yield self._gauge("butter_kv_reserved_bytes",
+                          "KV bytes reserved by active requests (a window caps each).",
+                          m.kv_reserved_bytes)
+        yield self._gauge("butter_kv_used_bytes", "KV bytes holding tokens, as the codec "
+                          "stores them (a window caps each session).", m.kv_used_bytes)
+        yield self._counter("butter_prompt_tokens_total", "Prompt tokens of admitted requests.",
+                            m.prompt_tokens)
+        yield self._counter("butter_cached_tokens_total",
+                            "Prompt tokens reused from a session's KV.", m.cached_tokens)
+        yield self._counter("butter_generated_tokens_total", "Completion tokens sampled.",
+                            m.generated_tokens)
+        yield self._counter("butter_prefill_chunks_total", "Prefill chunks run.",
+                            m.prefill_chunks)
+        yield self._counter("butter_prefill_tokens_total", "Prompt tokens prefilled.",
+                            m.prefill_tokens)
+        yield self._counter("butter_decode_steps_total",
+                            "Engine steps that decoded at least one token.", m.decode_steps)
+        yield self._counter("butter_model_passes_total", "Native model calls (llama_decode).",
+                            m.model_passes)
+        cancellations = CounterMetricFamily("butter_cancellations_total",
+                                            "Requests cancelled, by phase.",
+                                            labels=("model", "phase"))
+        for phase, count in m.cancellations.items():
+            cancellations.add_metric((self.model_id, phase), count)
+        yield cancellations
+        yield self._gauge("butter_fused_batching", "1 when sessions share model passes.",
+                          int(self.fused))
+        yield self._gauge("butter_engine_alive",
+                          "1 while the engine thread runs; 0 once it stopped or died.",
+                          m.engine_alive)
+        yield from _labelled(m.registry.collect(), model=self.model_id)
+
+    def _counter(self, name: str, help_text: str, value: int) -> CounterMetricFamily:
+        # The family drops the ``_total`` of ``name``; its sample keeps it.
+        family = CounterMetricFamily(name, help_text, labels=("model",))
+        family.add_metric((self.model_id,), value)
+        return family
+
+    def _gauge(self, name: str, help_text: str, value: int) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, help_text, labels=("model",))
+        family.add_metric((self.model_id,), value)
+        return family
+
+
+def _labelled(families: Iterable[Metric], **labels: str) -> Iterator[Metric]:
+    """``families`` (freshly collected, so ours to change) with ``labels`` on every sample.
+
+    The ``_created`` timestamps prometheus_client adds are left out: an engine's
+    histograms start with it, and ``butter_engine_alive`` already tells a restart.
+    """
+    for family in families:
+        family.samples = [sample._replace(labels={**labels, **sample.labels})
+                          for sample in family.samples if not sample.name.endswith("_created")]
+        yield family

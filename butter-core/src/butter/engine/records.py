@@ -5,27 +5,19 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import attrs
 
 from butter.backend import Sampler, SamplingParams
 from butter.engine.events import Channel
 from butter.engine.text import Detokenizer, StopMatcher
+from butter.generation import GenerationParams, Logprob
+
+if TYPE_CHECKING:
+    from butter.engine.constraint import Constraint
 
 _request_ids = itertools.count(1)
-
-
-@attrs.frozen
-class GenerationParams:
-    """What the client asked for, already validated."""
-
-    max_tokens: int | None = None  # None: the documented default (see admission)
-    temperature: float = 0.8
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
 
 
 class Phase(enum.Enum):
@@ -42,7 +34,7 @@ class Session:
     seq_id: int
     tokens: list[int] = attrs.field(factory=list)
     last_used: float = 0.0
-    request: "Request | None" = None
+    request: Request | None = None
 
     @property
     def idle(self) -> bool:
@@ -56,6 +48,7 @@ class Request:
     prompt: list[int]  # token ids, encoded off the engine thread
     params: GenerationParams
     channel: Channel
+    constraint: Constraint | None = None  # a grammar its tokens must follow
     id: int = attrs.field(factory=lambda: next(_request_ids))
     submitted_at: float = attrs.field(factory=time.monotonic)
     # Set from any thread; the engine acts on it at the next bounded work unit.
@@ -71,7 +64,9 @@ class Request:
     next_prefill: int = 0  # index into prompt_tokens of the next token to prefill
     generated: list[int] = attrs.field(factory=list)
     last_token: int | None = None
+    last_token_at: float = 0.0  # time.monotonic() when last_token was sampled
     sampler: Sampler | None = None
     sampling: SamplingParams | None = None
     detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
     stops: StopMatcher | None = None
+    logprobs: list[Logprob] = attrs.field(factory=list)  # drawn, not yet sent

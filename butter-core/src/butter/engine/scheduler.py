@@ -30,16 +30,21 @@ from butter.backend import (
     Runtime,
     SamplingParams,
     StepFailedError,
+    TokenLogprob,
     Work,
 )
 from butter.engine.admission import Admission
-from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta, Usage
+from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta
 from butter.engine.metrics import Metrics
 from butter.engine.records import Phase, Request, Session
 from butter.engine.text import StopMatcher
 from butter.errors import ButterError, EngineStoppedError, InternalError, InvalidRequestError
+from butter.generation import Logprob, TokenChoice, Usage
 
 log = logging.getLogger("butter.engine")
+
+KV_LAYOUTS = ("per-session", "shared")  # back ends with a ``kv_layout`` option
+DEFAULT_KV_LAYOUT = "per-session"  # chosen by bench/batch_invariance.py and concurrency.py
 
 
 @attrs.frozen
@@ -49,8 +54,8 @@ class EngineConfig:
     # 0: parallel + 2. Idle sessions keep their KV for prefix reuse, but every cell held
     # widens the unified cache each pass attends over, so only a couple are kept.
     n_sessions: int = 0
-    max_batch: int = 512
-    prefill_chunk: int = 256
+    max_batch: int = 512  # tokens one step may feed across sessions
+    prefill_chunk: int = 256  # prefill chunks end at multiples of it
     kv: KVSpec = KVSpec()
     # The back end's own knobs (GGUF: micro_batch), passed through untouched.
     options: dict = attrs.field(factory=dict)
@@ -142,13 +147,18 @@ class Engine:
                 kv=self.config.kv,
                 capacity=self.config.capacity,
                 n_sessions=self.config.sessions,
-                max_batch=self.config.max_batch,
+                # Room for a whole prefill chunk next to every decoding row.
+                max_batch=max(self.config.max_batch,
+                              self.config.prefill_chunk + self.config.sessions),
                 options=self.config.options,
             )
             self._sessions = [Session(seq_id=i) for i in range(self._runtime.n_sessions)]
             self._admission = Admission(self._runtime.kv, self.config.parallel)
             self.metrics.sessions_total = len(self._sessions)
             self.metrics.kv_capacity_cells = self._admission.capacity
+            self.metrics.kv_budget_bytes = self._runtime.kv.budget_bytes
+            self.metrics.kv_token_bytes = self._runtime.kv.token_bytes
+            self.metrics.engine_alive = 1
         except BaseException as exc:  # surfaced by start()
             self._start_error = exc
             self._ready.set()
@@ -174,6 +184,7 @@ class Engine:
         except BaseException:  # nothing may end this loop but a stop: this is a death
             log.critical("the engine thread died", exc_info=True)
         finally:
+            self.metrics.engine_alive = 0
             self.died = stop is None
             self._shutdown(stop.error if stop else InternalError())
             self._outbox.flush()
@@ -232,6 +243,8 @@ class Engine:
         admission = self._admission
         while self._waiting and len(self._active) < self.config.parallel:
             request = self._waiting[0]
+            if self._twin_prefilling(request):
+                return  # n choices: the rest fork the first's prompt once it is read
             idle = [s for s in self._sessions if s.idle]
             session, reuse = admission.pick_session(idle, request.prompt_tokens)
             evict = admission.make_room(request, session, self._active, idle)
@@ -255,6 +268,7 @@ class Engine:
     def _install(self, request: Request, session: Session, reuse: int) -> None:
         session.request = request  # leased first: _fail can release it from here on
         request.session = session
+        self.metrics.latency.request_queue_time.observe(time.monotonic() - request.submitted_at)
         if len(session.tokens) > reuse:
             if not self._runtime.truncate(session.seq_id, reuse):
                 self._runtime.truncate(session.seq_id, 0)
@@ -266,11 +280,24 @@ class Engine:
         request.phase = Phase.PREFILL
         params = request.params
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        request.sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=seed)
+        request.sampling = SamplingParams(
+            temperature=params.temperature, top_p=params.top_p, seed=seed, top_k=params.top_k,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
+            min_p=params.min_p, logprobs=params.logprobs)
         request.sampler = self._runtime.new_sampler(request.sampling)
         request.stops = StopMatcher(params.stop)
         self.metrics.cached_tokens += reuse
         self._active.append(request)
+
+    def _twin_prefilling(self, request: Request) -> bool:
+        """Whether a running request is still reading this very prompt (another choice of
+        the same completion): waiting for it turns this prefill into a fork."""
+        if self._runtime.kv.fork is ForkKind.NONE:
+            return False
+        return any(other.phase is Phase.PREFILL and other.prompt_tokens == request.prompt_tokens
+                   for other in self._active)
 
     def _share_prefix(self, request: Request, session: Session, reuse: int) -> int:
         """Take a longer cached prefix from another session, busy or idle, if one has it.
@@ -297,21 +324,38 @@ class Engine:
         for request in self._active:
             if request.phase is Phase.DECODE:
                 plan.append((request, Work(request.session.seq_id, (request.last_token,),
-                                           request.sampler)))
+                                           request.sampler, self._mask(request))))
             else:
                 prefilling.append(request)
+        # Prefill chunks end at multiples of ``size`` (absolute positions), whatever else
+        # runs: a prompt is cut the same way alone or batched, so its cache is computed
+        # the same way. A chunk that does not fit this step waits for the next, unless
+        # none has been planned (a back end whose batches are small takes what fits).
         budget = self._runtime.max_batch - len(plan)
-        if prefilling and budget > 0:
-            limit = self.config.prefill_chunk if plan else self._runtime.max_batch
-            chunk = max(1, min(limit, budget // len(prefilling)))
-            for request in prefilling[:budget]:
-                start = request.next_prefill
-                end = min(start + chunk, len(request.prompt_tokens))
-                last = end == len(request.prompt_tokens)
-                plan.append((request, Work(request.session.seq_id,
-                                           request.prompt_tokens[start:end],
-                                           request.sampler if last else None)))
+        size = max(1, min(self.config.prefill_chunk, self._runtime.max_batch))
+        planned = False
+        for request in prefilling:
+            if budget <= 0:
+                break
+            start = request.next_prefill
+            end = min((start // size + 1) * size, len(request.prompt_tokens))
+            if end - start > budget:
+                if planned:
+                    continue
+                end = start + budget
+            budget -= end - start
+            planned = True
+            last = end == len(request.prompt_tokens)
+            plan.append((request, Work(request.session.seq_id,
+                                       request.prompt_tokens[start:end],
+                                       request.sampler if last else None,
+                                       self._mask(request) if last else None)))
         return plan
+
+    @staticmethod
+    def _mask(request: Request):
+        """The tokens ``request``'s grammar allows next (None: any): it stays in the batch."""
+        return request.constraint.mask() if request.constraint is not None else None
 
     def _step(self) -> None:
         plan = self._plan_batch()
@@ -350,6 +394,9 @@ class Engine:
                 self.metrics.prefill_chunks += 1
                 self.metrics.prefill_tokens += len(work.tokens)
             if token is not None:
+                last = getattr(request.sampler, "last", None)
+                if last is not None and request.params.logprobs is not None:
+                    request.logprobs.append(self._logprob(last))
                 self._on_token(request, token)
 
     def _fail(self, requests: list[Request]) -> None:
@@ -363,6 +410,13 @@ class Engine:
             self._outbox.put(request.channel, Failed(InternalError()))
 
     def _on_token(self, request: Request, token: int) -> None:
+        now = time.monotonic()
+        latency = self.metrics.latency
+        if request.generated:
+            latency.time_per_output_token.observe(now - request.last_token_at)
+        else:
+            latency.time_to_first_token.observe(now - request.submitted_at)
+        request.last_token_at = now
         request.generated.append(token)
         request.last_token = token
         request.phase = Phase.DECODE
@@ -371,13 +425,17 @@ class Engine:
         count = len(request.generated)
         if self.model.is_end_of_generation(token) and not params.ignore_eos:
             if count > params.min_tokens:
+                request.logprobs.clear()  # the end token is no text: OpenAI lists none
                 self._finish(request, "stop")
                 return
-        text = request.detokenizer.feed(self.model.token_piece(token))
+        piece = self.model.token_piece(token)
+        if request.constraint is not None:
+            request.constraint.advance(token, piece.decode("utf-8", errors="replace"))
+        text = request.detokenizer.feed(piece)
         if text:
             safe, hit = request.stops.feed(text)
             if safe:
-                self._outbox.put(request.channel, TextDelta(safe))
+                self._emit_text(request, safe)
             if hit:
                 self._finish(request, "stop", flush=False, stop_sequence=request.stops.matched)
                 return
@@ -390,10 +448,26 @@ class Engine:
             tail = request.detokenizer.flush()
             safe, _ = request.stops.feed(tail) if tail else ("", False)
             safe += request.stops.flush()
-            if safe:
-                self._outbox.put(request.channel, TextDelta(safe))
+            if safe or request.logprobs:
+                self._emit_text(request, safe)
         self._release(request)
+        if reason != "cancelled":
+            self.metrics.latency.e2e_request_latency.observe(time.monotonic()
+                                                             - request.submitted_at)
         self._outbox.put(request.channel, Finished(reason, self._usage(request), stop_sequence))
+
+    def _emit_text(self, request: Request, text: str) -> None:
+        logprobs = tuple(request.logprobs)
+        request.logprobs.clear()
+        self._outbox.put(request.channel, TextDelta(text, logprobs))
+
+    def _logprob(self, drawn: TokenLogprob) -> Logprob:
+        return Logprob(self._choice(drawn.token, drawn.logprob),
+                       tuple(self._choice(token, logprob) for token, logprob in drawn.top))
+
+    def _choice(self, token: int, logprob: float) -> TokenChoice:
+        piece = self.model.token_piece(token)
+        return TokenChoice(piece.decode("utf-8", errors="replace"), piece, logprob)
 
     def _release(self, request: Request) -> None:
         if request.sampler is not None:
@@ -421,6 +495,10 @@ class Engine:
         metrics.sessions_busy = sum(1 for s in self._sessions if not s.idle)
         metrics.kv_reserved_cells = sum(r.reservation for r in self._active)
         metrics.kv_used_cells = sum(len(s.tokens) for s in self._sessions)
+        if self._admission is not None:  # bytes as the codec stores them, windows capped
+            cost = self._admission.kv.cost
+            metrics.kv_reserved_bytes = sum(cost(r.reservation) for r in self._active)
+            metrics.kv_used_bytes = sum(cost(len(s.tokens)) for s in self._sessions)
 
     def _shutdown(self, error: ButterError) -> None:
         for request in list(self._waiting) + list(self._active):

@@ -6,7 +6,11 @@ import codecs
 
 
 class Detokenizer:
-    """Token pieces (bytes) in, complete UTF-8 text out; a split character waits."""
+    """Token pieces (bytes) in, complete UTF-8 text out; a split character waits.
+
+    A character still incomplete when generation ends (cut by ``max_tokens``) is
+    dropped, as llama-server drops it: half a character is no text, and a U+FFFD in
+    its place would be a character the model never wrote."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -15,7 +19,8 @@ class Detokenizer:
         return self._decoder.decode(piece)
 
     def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
+        self._decoder.reset()  # what it still holds is the start of a character, no more
+        return ""
 
 
 class StopMatcher:

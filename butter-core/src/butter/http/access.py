@@ -16,7 +16,8 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import attrs
 

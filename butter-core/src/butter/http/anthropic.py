@@ -1,7 +1,7 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic Messages API).
 
 The body becomes the same :class:`~butter.chat.request.ChatRequest` as on the OpenAI
-route (``butter.chat.anthropic``), so both dialects share the engine, its sessions
+route (``butter.wire.anthropic``), so both dialects share the engine, its sessions
 and tool-call recovery. Errors raised here are rendered in Anthropic's shape by the
 app's one exception handler; an error after the stream started is an ``error`` event.
 ``anthropic-version``, ``x-api-key`` and ``Authorization`` headers are ignored.
@@ -9,17 +9,23 @@ app's one exception handler; an error after the stream started is an ``error`` e
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from butter.chat.anthropic import MessageBuilder, new_message_id, parse_messages_request
 from butter.errors import ButterError
-from butter.http.common import Backend, cancel_on_disconnect, read_json, sse, watch_disconnect
+from butter.http.common import (
+    SSE_HEADERS,
+    Backend,
+    cancel_on_disconnect,
+    read_json,
+    sse,
+    watch_disconnect,
+)
 from butter.http.errors import anthropic_body, as_butter_error
-from butter.http.openai import SSE_HEADERS
 from butter.serving import Generation
+from butter.wire.anthropic import MessageBuilder, new_message_id, parse_messages_request
 
 
 @post("/v1/messages", status_code=200)

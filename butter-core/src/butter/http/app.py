@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Litestar, MediaType, Request, Response, get
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
+from litestar.params import PathParameter
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from butter.errors import ModelNotFoundError
 from butter.http.access import AccessPolicy, access_middleware
 from butter.http.common import MAX_BODY_BYTES, Backend
 from butter.http.errors import handle_exception
-from butter.http.openai import chat_completions
+from butter.http.openai import chat_completions, completions
 from butter.http.schema import REQUEST_BODIES
 from butter.serving import ServeBackend
 
 ROUTES = (
     ("GET", "/health"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{id}"),
     ("GET", "/metrics"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
     ("GET", "/schema/openapi.json"),
@@ -40,9 +45,23 @@ async def list_models(backend: Backend) -> dict:
     return {"object": "list", "data": [backend.model_card()]}
 
 
-@get("/metrics", media_type="text/plain; version=0.0.4")
+@get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: Annotated[str, PathParameter()], backend: Backend) -> dict:
+    """The resident model's card (the SDK's ``models.retrieve``); any other id is 404."""
+    model_id = model_id.lstrip("/")
+    card = backend.model_card()
+    if model_id != card["id"]:
+        raise ModelNotFoundError(model_id)
+    return card
+
+
+@get("/metrics", media_type=MediaType.TEXT)
 async def metrics(backend: Backend) -> Response:
-    return Response(backend.metrics_text(), media_type="text/plain; version=0.0.4")
+    """The Prometheus text exposition of the resident model's engine."""
+    # The content type as prometheus_client spells it: as a media type, litestar would
+    # append a second charset.
+    return Response(backend.metrics_text(), media_type=MediaType.TEXT,
+                    headers={"content-type": CONTENT_TYPE_LATEST})
 
 
 class SchemaPlugin(JsonRenderPlugin):
@@ -72,7 +91,8 @@ def create_app(backend: ServeBackend, *, close_backend_on_shutdown: bool = False
             await backend.aclose()
 
     return Litestar(
-        route_handlers=[health, list_models, metrics, chat_completions, messages, count_tokens],
+        route_handlers=[health, list_models, retrieve_model, metrics, chat_completions,
+                        completions, messages, count_tokens],
         dependencies={"backend": Provide(lambda: backend, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         middleware=[access_middleware(access or AccessPolicy())],

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from litestar import Request
 from litestar.di import NamedDependency
@@ -22,6 +23,8 @@ log = logging.getLogger("butter.http")
 Backend = NamedDependency[ServeBackend]
 
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 # One body limit for every route (litestar refuses larger bodies with 413).
 MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -29,8 +32,8 @@ MAX_BODY_BYTES = 10 * 1024 * 1024
 async def read_json(request: Request) -> dict[str, Any]:
     try:
         raw = await request.body()
-    except InternalServerException:  # litestar's word for a client gone mid-upload
-        if request.is_connected:
+    except InternalServerException as exc:  # litestar's word for a client gone mid-upload
+        if "disconnected" not in str(exc.detail):
             raise
         log.info("%s %s: the client went away before its body arrived", request.method,
                  request.url.path)

@@ -1,7 +1,7 @@
 """JSON Schemas of the request bodies, for the published OpenAPI document.
 
 The routes read their bodies themselves (``butter.chat.request`` and
-``butter.chat.anthropic`` validate every field and name it in a 400), so litestar
+``butter.wire.anthropic`` validate every field and name it in a 400), so litestar
 cannot infer these; they are stated here once and attached to the OpenAPI schema
 litestar builds (``GET /schema/openapi.json``). Unknown fields are accepted and
 ignored, as the contract says, hence no ``additionalProperties: false``.
@@ -44,6 +44,13 @@ _SAMPLING = {
     "ignore_eos": {"type": "boolean"},
     "min_tokens": {"type": "integer", "minimum": 0},
     "stream": {"type": "boolean"},
+    "top_k": {"type": "integer", "minimum": -1},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10},
+    "logit_bias": {"type": "object", "maxProperties": 300,
+                   "additionalProperties": {"type": "number", "minimum": -100,
+                                            "maximum": 100}},
 }
 
 CHAT_COMPLETION = {
@@ -54,7 +61,7 @@ CHAT_COMPLETION = {
         "max_tokens": {"type": "integer", "minimum": 1},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "stop": STOP,
-        "n": {"type": "integer", "minimum": 1, "maximum": 1},
+        "n": {"type": "integer", "minimum": 1, "maximum": 16},
         "stream_options": {"type": "object",
                            "properties": {"include_usage": {"type": "boolean"}}},
         "tools": {"type": "array", "items": {
@@ -69,6 +76,8 @@ CHAT_COMPLETION = {
         "chat_template_kwargs": {"type": "object",
                                  "properties": {"enable_thinking": {"type": "boolean"}}},
         "reasoning_effort": {"enum": ["low", "medium", "high", "minimal", "none"]},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},  # needs logprobs
         **_SAMPLING,
     },
 }
@@ -103,7 +112,8 @@ _ANTHROPIC_COMMON = {
                                 "budget_tokens": {"type": "integer"}}},
 }
 MESSAGES = {
-    "type": "object", "required": ["model", "messages", "max_tokens"],
+    # No `model`: the resident model answers a request that names none, on every route.
+    "type": "object", "required": ["messages", "max_tokens"],
     "properties": {
         **_ANTHROPIC_COMMON,
         "max_tokens": {"type": "integer", "minimum": 1},
@@ -114,8 +124,31 @@ MESSAGES = {
 }
 COUNT_TOKENS = {"type": "object", "required": ["messages"], "properties": _ANTHROPIC_COMMON}
 
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+COMPLETION = {
+    "type": "object", "required": ["prompt"],
+    "properties": {
+        "model": STRING,
+        "prompt": {"anyOf": [STRING, {"type": "array", "items": STRING, "minItems": 1,
+                                      "maxItems": 16},
+                             _TOKENS, {"type": "array", "items": _TOKENS, "minItems": 1,
+                                       "maxItems": 16}]},
+        "suffix": STRING,
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "stop": STOP,
+        "n": {"type": "integer", "minimum": 1, "maximum": 16},
+        "echo": {"type": "boolean"},
+        "stream_options": {"type": "object",
+                           "properties": {"include_usage": {"type": "boolean"}}},
+        **_SAMPLING,
+    },
+}
+
 REQUEST_BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": CHAT_COMPLETION,
+    "/v1/completions": COMPLETION,
     "/v1/messages": MESSAGES,
     "/v1/messages/count_tokens": COUNT_TOKENS,
 }

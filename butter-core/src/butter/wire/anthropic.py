@@ -1,7 +1,7 @@
 """The Anthropic Messages API in butter's terms: pure translation, no I/O.
 
 ``parse_messages_request`` turns a ``POST /v1/messages`` body into the same
-:class:`~butter.chat.request.ChatRequest` the OpenAI route builds: ``system`` becomes
+:class:`~butter.chat.request.ChatRequest` ``butter.wire.openai`` builds: ``system`` becomes
 the first message, ``tool_use`` blocks become assistant ``tool_calls`` and
 ``tool_result`` blocks become ``tool`` messages, so prompt building, sessions and
 recovery are shared with ``/v1/chat/completions``.
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -32,8 +33,8 @@ from butter.chat.recovery import (
     ToolCallStart,
 )
 from butter.chat.request import ChatRequest, ToolChoice, content_text, generation_params
-from butter.engine.events import Usage
 from butter.errors import InvalidRequestError
+from butter.generation import Usage
 
 MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1 (OpenAI's is 0..2)
 

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from fakes.scripted import real_tokenizer
 
 from butter.chat.recovery import (
     ContentDelta,
@@ -16,7 +17,6 @@ from butter.chat.recovery import (
     ToolCallStart,
     parse_message,
 )
-from fakes.scripted import real_tokenizer
 
 MARKUP = ("<tool_call", "</tool_call", "<function=", "</function", "<parameter", "<think",
           "</think")
@@ -127,17 +127,26 @@ XML_BAD_GRAMMAR = "<function=get_weather>\nnot a parameter\n</function>"
 NEVER_CLOSED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
 
 
-@pytest.mark.parametrize("malformed", [BAD_JSON, PROSE_INSIDE, XML_BAD_GRAMMAR, NEVER_CLOSED])
-def test_malformed_markup_is_content_verbatim(malformed: str) -> None:
+MALFORMED = [  # (markup that makes no call, the content it gives up: its text, no tags)
+    (BAD_JSON, '\n{"name": "get_weather", "arguments": {"city": }}\n'),
+    (PROSE_INSIDE, "\nI would call a tool here."),
+    (XML_BAD_GRAMMAR, "\nnot a parameter"),
+    (NEVER_CLOSED, '\n{"name": "get_weather", "arguments": {"city": "Pa'),
+]
+
+
+@pytest.mark.parametrize(("malformed", "text"), MALFORMED)
+def test_malformed_markup_gives_up_its_text_without_tags(malformed: str, text: str) -> None:
     content, reasoning, calls = replay(malformed, **ON)
-    assert (content, reasoning, calls) == (malformed, "", [])
+    assert (content, reasoning, calls) == (text, "", [])
+    assert not any(tag in content for tag in MARKUP)
 
 
-@pytest.mark.parametrize("malformed", [BAD_JSON, PROSE_INSIDE, XML_BAD_GRAMMAR])
-def test_a_call_after_malformed_markup_is_recovered(malformed: str) -> None:
+@pytest.mark.parametrize(("malformed", "text"), MALFORMED[:3])
+def test_a_call_after_malformed_markup_is_recovered(malformed: str, text: str) -> None:
     content, _, calls = replay(malformed + "\n" + hermes("get_time", {"zone": "UTC"}), **ON)
     assert calls == [("get_time", {"zone": "UTC"})]
-    assert content == malformed
+    assert content.strip() == text.strip()
 
 
 def test_calls_are_not_parsed_when_tools_are_off() -> None:

@@ -1,0 +1,193 @@
+"""KV codecs against raw, teacher-forced on shipped public-domain text, per back end.
+
+Every codec's runtime reads the same tokens of ``data/coriolanus-act1.txt`` (Shakespeare,
+public domain) one decode step at a time, so each next-token distribution comes from
+attention over the cache as that codec stores it. All runtimes advance in lockstep with
+a raw one on the same loaded model, and per codec we report:
+
+- KV bytes per token against raw (``KVFacts.token_bytes``: what admission charges);
+- next-token agreement: the codec's most likely token equals raw's;
+- perplexity of the text and its delta against raw;
+- mean KL(raw || codec) over the vocabulary;
+- decode tokens/s of one session holding 512 and 4,096 tokens of context;
+- the longest context a fixed KV budget (``--budget-mib``) admits.
+
+On GGUF the codecs run as llama.cpp cache types (``affine8`` = q8_0, ``affine4`` = q4_0,
+AURA recipes rounded up to those), so those rows are llama.cpp's own q8_0/q4_0.
+
+    .venv/bin/python bench/kv_codecs.py [--backend gguf|mlx] [--tokens 2048]
+        [--codecs raw,affine8,affine4,aura4v4,aura4v2,aura8v4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from butter.backend import KVSpec, SamplingParams, Work
+from butter.library import Model, default_plugins
+
+TEXT = Path(__file__).parent / "data" / "coriolanus-act1.txt"
+DEFAULT_CODECS = "raw,affine8,affine4,aura4v4,aura4v2,aura8v4"
+SPEED_CONTEXTS = (512, 4096)
+SPEED_STEPS = 32
+
+
+class Capture:
+    """A sampler that keeps the step's log-probabilities and answers greedy."""
+
+    def __init__(self, read) -> None:
+        self.read = read
+        self.last = None
+        self.logprobs: np.ndarray | None = None
+
+    def keep(self, logits) -> int:
+        row = np.asarray(logits, dtype=np.float64)
+        row = row - row.max()
+        self.logprobs = row - math.log(np.exp(row).sum())
+        return int(row.argmax())
+
+    def close(self) -> None:
+        pass
+
+
+class GGUFCapture(Capture):
+    def sample(self, ctx, index, mask=None) -> int:
+        import ctypes
+
+        import llama_cpp as ll
+
+        pointer = ll.llama_get_logits_ith(ctx, index)
+        return self.keep(np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(
+            ctypes.c_float)), shape=(self.read,)))
+
+
+class MLXCapture(Capture):
+    def sample(self, logits, mask=None) -> int:
+        import mlx.core as mx
+
+        return self.keep(np.array(logits.astype(mx.float32)))
+
+
+def runtime_for(model: Model, codec, capacity: int):
+    return model.loaded.create_runtime(kv=KVSpec(codec=codec), capacity=capacity, n_sessions=1,
+                                       max_batch=512, options={})
+
+
+def quality(model: Model, codecs: list, tokens: list[int], capture) -> dict[str, dict]:
+    """Teacher-force ``tokens`` through a runtime per codec, in lockstep with raw."""
+    runtimes = {c.name: runtime_for(model, c, 4096) for c in codecs}
+    stats = {name: {"agree": 0, "nll": 0.0, "kl": 0.0} for name in runtimes}
+    samplers = {name: capture(model.info.n_vocab) for name in runtimes}
+    steps = len(tokens) - 1
+    for position in range(steps):
+        if position % 256 == 0:
+            print(f"  teacher-forcing: {position}/{steps}", flush=True)
+        rows = {}
+        for name, runtime in runtimes.items():
+            runtime.step([Work(0, [tokens[position]], samplers[name])])
+            rows[name] = samplers[name].logprobs
+        raw = rows["raw"]
+        p_raw = np.exp(raw)
+        best = int(raw.argmax())
+        for name, row in rows.items():
+            stats[name]["agree"] += int(row.argmax()) == best
+            stats[name]["nll"] -= row[tokens[position + 1]]
+            stats[name]["kl"] += float((p_raw * (raw - row)).sum())
+    raw_bytes = runtimes["raw"].kv.token_bytes
+    results = {}
+    for name, runtime in runtimes.items():
+        s = stats[name]
+        results[name] = {
+            "bytes_vs_raw": runtime.kv.token_bytes / raw_bytes,
+            "agreement": s["agree"] / steps,
+            "ppl": math.exp(s["nll"] / steps),
+            "kl": s["kl"] / steps,
+            "storage": runtime.describe().get("kv_cache_types") or runtime.describe().get(
+                "kv_codec", name),
+        }
+        runtime.close()
+    base = results["raw"]["ppl"]
+    for row in results.values():
+        row["ppl_delta"] = row["ppl"] - base
+    return results
+
+
+def decode_speed(model: Model, codec, tokens: list[int], context: int) -> float:
+    """Decode tokens/s of one session holding ``context`` tokens."""
+    runtime = runtime_for(model, codec, context + 2 * SPEED_STEPS + 512)
+    filled = (tokens * (context // len(tokens) + 1))[:context]
+    for start in range(0, context - 1, 256):
+        runtime.step([Work(0, filled[start:min(start + 256, context - 1)])])
+    sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
+    token = runtime.step([Work(0, filled[-1:], sampler)])[0]
+    began = time.perf_counter()
+    for _ in range(SPEED_STEPS):
+        token = runtime.step([Work(0, [token], sampler)])[0]
+    rate = SPEED_STEPS / (time.perf_counter() - began)
+    runtime.close()
+    return rate
+
+
+def longest_context(model: Model, codec, budget_mib: float) -> int:
+    """The context one session may hold in ``budget_mib`` of KV, as admission sees it."""
+    raw_runtime = runtime_for(model, default_plugins().kv_codec("raw"), 256)
+    raw_bytes = raw_runtime.kv.token_bytes
+    raw_runtime.close()
+    raw_cells = int(budget_mib * 2**20 // raw_bytes) // 256 * 256
+    runtime = runtime_for(model, codec, raw_cells)
+    capacity = runtime.kv.capacity
+    runtime.close()
+    return capacity
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="gguf")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--codecs", default=DEFAULT_CODECS)
+    parser.add_argument("--budget-mib", type=float, default=32.0)
+    parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    plugins = default_plugins()
+    codecs = [plugins.kv_codec(name) for name in args.codecs.split(",")]
+    if codecs[0].name != "raw":
+        codecs.insert(0, plugins.kv_codec("raw"))
+    capture = GGUFCapture if args.backend == "gguf" else MLXCapture
+    with Model.load("smollm2", backend=args.backend) as model:
+        tokens = model.loaded.tokenize(TEXT.read_text(), add_special=False, parse_special=False)
+        if len(tokens) < args.tokens + 1:
+            raise SystemExit(f"the text holds {len(tokens)} tokens, fewer than {args.tokens}")
+        results = quality(model, codecs, tokens[:args.tokens + 1], capture)
+        for codec in codecs:
+            row = results[codec.name]
+            row["longest_context"] = longest_context(model, codec, args.budget_mib)
+            if not args.no_speed:
+                print(f"  decode speed: {codec.name}", flush=True)
+                for context in SPEED_CONTEXTS:
+                    row[f"decode_tps_{context}"] = decode_speed(model, codec, tokens, context)
+    print(f"\n{args.backend}: {args.tokens} teacher-forced tokens of {TEXT.name}, "
+          f"KV budget {args.budget_mib:g} MiB\n")
+    header = ["codec", "storage", "bytes/raw", "agree", "ppl", "Δppl", "KL",
+              *[f"tok/s@{c}" for c in SPEED_CONTEXTS], "longest ctx"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for name, row in results.items():
+        speeds = [f"{row.get(f'decode_tps_{c}', float('nan')):.1f}" for c in SPEED_CONTEXTS]
+        print(f"| {name} | {row['storage']} | {row['bytes_vs_raw']:.3f} | "
+              f"{100 * row['agreement']:.2f}% | {row['ppl']:.3f} | {row['ppl_delta']:+.3f} | "
+              f"{row['kl']:.5f} | {' | '.join(speeds)} | {row['longest_context']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"backend": args.backend, "tokens": args.tokens,
+                                               "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,370 @@
+"""The OpenAI chat-completions dialect: a body read into a ChatRequest, and the
+completion (whole, or as stream chunks) rendered from recovered deltas. No I/O."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from butter.chat.recovery import (
+    ContentDelta,
+    Delta,
+    ReasoningDelta,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+)
+from butter.chat.request import (
+    RESERVED_TEMPLATE_KWARGS,
+    ChatRequest,
+    ToolChoice,
+    _boolean,
+    _check_text,
+    _integer,
+    _object,
+    generation_params,
+    parse_messages,
+    parse_response_format,
+    parse_tools,
+)
+from butter.errors import InvalidRequestError
+from butter.generation import Logprob, LogprobsDelta, TokenChoice, Usage
+
+MAX_CHOICES = 16  # n (times prompts) per request: each choice is a session's work
+COMPLETION_MAX_TOKENS = 16  # the legacy endpoint's documented default
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI
+
+
+def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("`model` must be a string.", param="model")
+    n = _choices(body)
+    logprobs = _chat_logprobs(body)
+    stream = bool(_boolean(body, "stream"))
+    stream_options = _object(body, "stream_options")
+    kwargs = _object(body, "chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in ("low", "medium", "high", "minimal", "none"):
+        raise InvalidRequestError("`reasoning_effort` must be low, medium or high.",
+                                  param="reasoning_effort")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidRequestError(f"`chat_template_kwargs` may not set {', '.join(reserved)}: "
+                                  "the server renders those from the request.",
+                                  param="chat_template_kwargs")
+    thinking = kwargs.get("enable_thinking")
+    tools = parse_tools(body.get("tools"))
+    return ChatRequest(
+        messages=parse_messages(body.get("messages")),
+        params=attrs.evolve(generation_params(
+            body, max_tokens_keys=("max_completion_tokens", "max_tokens"), stop_key="stop"),
+            logprobs=logprobs),
+        model=model,
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage")),
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        template_kwargs=kwargs,
+        enable_thinking=thinking if isinstance(thinking, bool) else None,
+        reasoning_effort=effort,
+        n=n,
+        response_format=parse_response_format(body.get("response_format")),
+    )
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    n = _integer(body, "n", low=1)
+    if n is not None and n > MAX_CHOICES:
+        raise InvalidRequestError(f"`n` must be at most {MAX_CHOICES}.", param="n")
+    return n or 1
+
+
+def parse_completion(body: Mapping[str, Any]) -> list[ChatRequest]:
+    """A legacy ``/v1/completions`` body: one raw-prompt request per prompt."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("`model` must be a string.", param="model")
+    prompts = _prompts(body.get("prompt"))
+    suffix = body.get("suffix")
+    if suffix is not None:
+        if not isinstance(suffix, str):
+            raise InvalidRequestError("`suffix` must be a string.", param="suffix")
+        _check_text(suffix, "suffix")
+        if any(not isinstance(p, str) for p in prompts):
+            raise InvalidRequestError("`suffix` needs a text `prompt`.", param="suffix")
+    if _boolean(body, "echo") and any(not isinstance(p, str) for p in prompts):
+        raise InvalidRequestError("`echo` needs a text `prompt`.", param="echo")
+    best_of = _integer(body, "best_of", low=1)
+    if best_of is not None and best_of > 1:
+        raise InvalidRequestError("`best_of` above 1 is not supported by this server.",
+                                  param="best_of")
+    n = _choices(body)
+    if n * len(prompts) > MAX_CHOICES:
+        raise InvalidRequestError(f"`n` times the prompts must be at most {MAX_CHOICES}.",
+                                  param="n")
+    params = attrs.evolve(generation_params(body, max_tokens_keys=("max_tokens",),
+                                            stop_key="stop"),
+                          logprobs=_completion_logprobs(body))
+    if body.get("max_tokens") is None:
+        params = attrs.evolve(params, max_tokens=COMPLETION_MAX_TOKENS)
+    stream = bool(_boolean(body, "stream"))
+    include_usage = bool(_object(body, "stream_options").get("include_usage"))
+    echo = bool(_boolean(body, "echo"))
+    response_format = parse_response_format(body.get("response_format"))
+    return [ChatRequest(messages=[], params=params, model=model, stream=stream,
+                        include_usage=include_usage, n=n, echo=echo,
+                        raw_prompt=prompt if isinstance(prompt, str) else None,
+                        prompt_tokens=None if isinstance(prompt, str) else prompt,
+                        suffix=suffix, response_format=response_format)
+            for prompt in prompts]
+
+
+def _prompts(value: Any) -> list[str | tuple[int, ...]]:
+    """``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(value, str):
+        value = [value]
+    elif isinstance(value, list) and value and all(_is_token(t) for t in value):
+        value = [value]
+    if not isinstance(value, list) or not value or len(value) > MAX_CHOICES:
+        raise InvalidRequestError(f"`prompt` must be a string, token ids, or a list of at "
+                                  f"most {MAX_CHOICES} of either.", param="prompt")
+    prompts: list[str | tuple[int, ...]] = []
+    for index, prompt in enumerate(value):
+        if isinstance(prompt, str):
+            _check_text(prompt, f"prompt[{index}]")
+            prompts.append(prompt)
+        elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+            prompts.append(tuple(prompt))
+        else:
+            raise InvalidRequestError(f"`prompt[{index}]` must be a string or a non-empty list "
+                                      "of token ids.", param="prompt")
+    return prompts
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+
+
+def choice_requests(request: ChatRequest) -> list[ChatRequest]:
+    """``n`` copies of ``request``, one per choice; a seed goes seed, seed+1, ..."""
+    if request.n == 1:
+        return [request]
+    seed = request.params.seed
+    return [attrs.evolve(request, n=1, params=attrs.evolve(
+        request.params, seed=None if seed is None else seed + index))
+        for index in range(request.n)]
+
+
+def combined_usage(per_prompt: list[list[Usage | None]]) -> Usage:
+    """Usage of several choices: each prompt counted once, every completion counted."""
+    prompt = cached = completion = 0
+    for usages in per_prompt:
+        known = [u for u in usages if u is not None]
+        if known:
+            prompt += known[0].prompt_tokens
+            cached += known[0].cached_tokens
+            completion += sum(u.completion_tokens for u in known)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """``logprobs`` / ``top_logprobs`` (0-20): None, or how many alternatives per token."""
+    wanted = _boolean(body, "logprobs")
+    top = _integer(body, "top_logprobs", low=0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}.",
+                                  param="top_logprobs")
+    if top is not None and not wanted:
+        raise InvalidRequestError("`top_logprobs` needs `logprobs: true`.",
+                                  param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """The legacy ``logprobs``: how many alternatives per token, 0-5."""
+    top = _integer(body, "logprobs", low=0)
+    if top is not None and top > MAX_LEGACY_LOGPROBS:
+        raise InvalidRequestError(f"`logprobs` must be between 0 and {MAX_LEGACY_LOGPROBS}.",
+                                  param="logprobs")
+    if top is not None and _boolean(body, "echo"):
+        raise InvalidRequestError("`echo` with `logprobs` would need the prompt's "
+                                  "log-probabilities, which this server does not compute.",
+                                  param="echo")
+    return top
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    if value is None:
+        return ToolChoice()
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise InvalidRequestError("`tool_choice: required` needs `tools`.",
+                                      param="tool_choice")
+        return ToolChoice(mode=value)
+    if isinstance(value, dict):
+        function = value.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            name = function["name"]
+            if name not in {tool["function"]["name"] for tool in tools}:
+                raise InvalidRequestError(f"`tool_choice` names `{name}`, which is not one of "
+                                          "`tools`.", param="tool_choice")
+            return ToolChoice(mode="function", name=name)
+    raise InvalidRequestError("`tool_choice` must be none, auto, required or "
+                              '{"type": "function", "function": {"name": ...}}.',
+                              param="tool_choice")
+
+
+def usage_body(usage: Usage | None) -> dict[str, Any]:
+    usage = usage or Usage(0, 0, 0)
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chat_logprobs(entries: Sequence[Logprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: each token with its bytes and top alternatives."""
+    return {"content": [{**_choice_body(e.chosen),
+                         "top_logprobs": [_choice_body(t) for t in e.top]} for e in entries],
+            "refusal": None}
+
+
+def _choice_body(choice: TokenChoice) -> dict[str, Any]:
+    return {"token": choice.token, "logprob": choice.logprob, "bytes": list(choice.bytes)}
+
+
+def legacy_logprobs(entries: Sequence[Logprob], offset: int) -> dict[str, Any]:
+    """``/v1/completions``' ``logprobs``; ``offset`` is where the first token's text
+    starts in the choice's text."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.chosen.token)
+    return {"tokens": [e.chosen.token for e in entries],
+            "token_logprobs": [e.chosen.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_choice(*, index: int, content: str, reasoning: str, calls: list[ToolCall],
+                finish_reason: str | None,
+                logprobs: Sequence[Logprob] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": (content.strip() or None) if calls else content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return {"index": index, "message": message,
+            "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+            "finish_reason": finish_reason}
+
+
+def completion_body(*, completion_id: str, model: str, created: int,
+                    choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+    """A whole ``chat.completion`` object."""
+    return {"id": completion_id, "object": "chat.completion", "created": created,
+            "model": model, "choices": choices, "usage": usage_body(usage)}
+
+
+def text_completion_body(*, completion_id: str, model: str, created: int,
+                         choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+    """A whole legacy ``text_completion`` object; choices are ``text_choice`` dicts."""
+    return {"id": completion_id, "object": "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": usage_body(usage)}
+
+
+def text_choice(*, index: int, text: str, finish_reason: str | None,
+                logprobs: Sequence[Logprob] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text,
+            "logprobs": None if logprobs is None else legacy_logprobs(logprobs, 0),
+            "finish_reason": finish_reason}
+
+
+class ChunkWriter:
+    """The chunks of one stream, as JSON text: ``chat.completion.chunk`` objects, or
+    legacy ``text_completion`` ones with ``text=True``."""
+
+    def __init__(self, *, completion_id: str, model: str, created: int,
+                 text: bool = False) -> None:
+        self._frame = {"id": completion_id, "created": created, "model": model,
+                       "object": "text_completion" if text else "chat.completion.chunk"}
+        self._text = text
+        self._templates: dict[int, tuple[str, str]] = {}
+        self._logprobs: dict[int, list[Logprob]] = {}  # not yet sent, per choice
+        self._offsets: dict[int, int] = {}  # text sent so far, per choice (legacy offsets)
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None, *,
+              index: int = 0, logprobs: Sequence[Logprob] | None = None) -> str:
+        shaped = None
+        if logprobs is not None:
+            shaped = legacy_logprobs(logprobs, self._offsets.get(index, 0)) if self._text \
+                else chat_logprobs(logprobs)
+        choice = ({"index": index, "text": delta.get("content", ""), "logprobs": shaped,
+                   "finish_reason": finish_reason} if self._text else
+                  {"index": index, "delta": delta, "logprobs": shaped,
+                   "finish_reason": finish_reason})
+        return _json({**self._frame, "choices": [choice]})
+
+    def opening(self, index: int = 0) -> str | None:
+        return None if self._text else self.chunk({"role": "assistant", "content": ""},
+                                                  index=index)
+
+    def text(self, text: str, index: int = 0) -> str:
+        pending = self._logprobs.pop(index, None)
+        if pending is not None:  # the tokens behind this text go with it
+            framed = self.chunk({"content": text}, index=index, logprobs=pending)
+        else:
+            # Content deltas are most of a stream: frame them from a prebuilt template.
+            if index not in self._templates:
+                head, tail = self.chunk({"content": "\x00"}, index=index).split('"\\u0000"')
+                self._templates[index] = head, tail
+            head, tail = self._templates[index]
+            framed = head + json.dumps(text, ensure_ascii=False) + tail
+        if self._text:  # legacy text offsets count what was sent, not the template
+            self._offsets[index] = self._offsets.get(index, 0) + len(text)
+        return framed
+
+    def delta(self, delta: Delta | LogprobsDelta, index: int = 0) -> str | None:
+        if isinstance(delta, LogprobsDelta):
+            self._logprobs.setdefault(index, []).extend(delta.entries)
+            return None
+        if isinstance(delta, ContentDelta):
+            return self.text(delta.text, index)
+        if self._text:
+            return None
+        if isinstance(delta, ReasoningDelta):
+            return self.chunk({"reasoning_content": delta.text}, index=index)
+        if isinstance(delta, ToolCallStart):
+            return self.chunk({"tool_calls": [{"index": delta.index, "id": delta.id,
+                                               "type": "function",
+                                               "function": {"name": delta.name,
+                                                            "arguments": ""}}]}, index=index)
+        if isinstance(delta, ToolCallArguments):
+            return self.chunk({"tool_calls": [{"index": delta.index,
+                                               "function": {"arguments": delta.fragment}}]},
+                              index=index)
+        return None
+
+    def closing(self, finish_reason: str | None, index: int = 0) -> str:
+        """The choice's last chunk, with the logprobs of tokens no text carried."""
+        return self.chunk({}, finish_reason or "stop", index=index,
+                          logprobs=self._logprobs.pop(index, None))
+
+    def usage(self, usage: Usage | None) -> str:
+        return _json({**self._frame, "choices": [], "usage": usage_body(usage)})
+
+
+def _json(data: Mapping[str, Any]) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
