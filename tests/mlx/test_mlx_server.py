@@ -81,8 +81,7 @@ def test_swaps_between_an_mlx_folder_and_a_gguf_both_ways(start_server, mlx_fold
     assert httpx.get(f"{server.root}/health").text == "ok"
 
 
-@pytest.mark.parametrize("flag", [("--threads", "2"), ("--ubatch-size", "64"),
-                                  ("--kv-window-size", "256")])  # no MLX window yet
+@pytest.mark.parametrize("flag", [("--threads", "2"), ("--ubatch-size", "64")])
 def test_gguf_only_flags_are_refused_for_mlx_before_loading(flag):
     import subprocess
     import sys

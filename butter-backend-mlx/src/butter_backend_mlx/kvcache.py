@@ -14,7 +14,16 @@ What a row stores, in positions counted from its first token:
   with random signs seeded by the layer index) of the post-RoPE keys, and of the values if
   ``codec.rotate_values``. The first ``codec.sinks`` tokens and the newest ``codec.recent``
   stay float16, unrotated: a token is quantized once, when it ages out of the recent window
-  (KIVI's residual). A cut (``trim``) does not bring quantized tokens back to float16.
+  (KIVI's residual). A cut (``trim``) does not bring quantized tokens back to float16;
+- ``raw`` (only with a window): float16 keys and values as they came.
+
+Windows (``window`` W, ``keep`` S, as mlx-lm's ``RotatingKVCache(max_size, keep)``): a
+query at position ``t`` sees the row's first S tokens and those after ``t - (W - S)``, at
+most W, however the prompt was chunked. The first S tokens stay float16 in the sinks
+buffer (which holds ``max(codec.sinks, S)``); positions older than every row's window are
+dropped from the storage, a few dozen at a time, and a row keeps negative padding for
+them, so the window batches, merges and extracts like any other row. Until a row has held
+more than W tokens nothing of it is dropped, so cutting and copying it stay exact.
 
 Attention. mlx-lm's attention modules call the ``scaled_dot_product_attention`` of their
 own module with the cache as a keyword. :func:`install_attention` puts a dispatcher there
@@ -50,6 +59,7 @@ from butter.kvcodec import KVCodec
 MX_BITS = frozenset({2, 3, 4, 5, 6, 8})  # widths mx.quantize packs
 MX_GROUPS = frozenset({32, 64, 128})
 STEP = 256  # positions the storage grows by, as mlx-lm's caches
+DROP_AFTER = 64  # a windowed cache drops positions out of every window this many at a time
 ROTATION_SEED = 0x61757261  # "aura": the signs of layer i come from this seed plus i
 
 
@@ -103,6 +113,16 @@ def attention(queries, keys, values, cache, scale, mask, **kwargs):
                                              mask=mask, **kwargs)
 
 
+def _product(x: mx.array, stored: tuple, codec: KVCodec, bits: int, *,
+              transpose: bool) -> mx.array:
+    """``x @ stored.T`` (scores) or ``x @ stored`` (values) on a cache's main storage:
+    float16 for ``raw``, ``mx.quantize`` parts otherwise."""
+    if codec.raw:
+        return x @ (stored[0].swapaxes(-1, -2) if transpose else stored[0])
+    return mx.quantized_matmul(x, *stored, transpose=transpose, group_size=codec.group_size,
+                               bits=bits)
+
+
 class CodecKVCache:
     """One layer's keys and values under ``codec``, for one or more left-padded rows.
 
@@ -115,10 +135,16 @@ class CodecKVCache:
     step = STEP
 
     def __init__(self, codec: KVCodec, *, layer: int, mirror: bool = False,
-                 rows: int = 1) -> None:
+                 rows: int = 1, window: int | None = None, keep: int = 0) -> None:
         self.codec = codec
         self.layer = layer
-        self.mirror = mirror
+        self.mirror = mirror and not codec.raw
+        self.window = window
+        self.keep = keep if window is not None else 0
+        # The first ``pinned`` tokens stay float16 in their own buffer: AURA's sinks and a
+        # window's kept tokens. The newest ``recent`` stay float16 in the tail.
+        self.pinned = max(codec.sinks, self.keep)
+        self.recent = 0 if codec.raw else codec.recent
         self._pads = [0] * rows
         self._qend = [0] * rows
         self._idx = 0
@@ -165,6 +191,8 @@ class CodecKVCache:
         """Store a chunk of post-RoPE keys and values, (B, H, N, D) each."""
         codec = self.codec
         n = keys.shape[2]
+        if self.window is not None:
+            self._drop_unseen()
         old, idx = self._idx, self._idx + n
         if self._rotation is None and (codec.rotate_keys or codec.rotate_values):
             self._rotation = Rotation(self.layer, keys.shape[-1])
@@ -176,12 +204,12 @@ class CodecKVCache:
         qend = list(self._qend)
         self._step = (work_k, work_v, start, qend, n)
         self._idx = idx
-        if codec.sinks and any(old - pad < codec.sinks for pad in self._pads):
+        if self.pinned and any(old - pad < self.pinned for pad in self._pads):
             self._store_sinks(work_k, work_v, start)
         if self.mirror:
             self.mirror_k[..., old:idx, :] = keys
             self.mirror_v[..., old:idx, :] = values
-        limit = idx - codec.recent
+        limit = idx - self.recent
         if limit > start:
             self._quantize(work_k[..., :limit - start, :], work_v[..., :limit - start, :],
                            start, qend)
@@ -190,6 +218,27 @@ class CodecKVCache:
         self.tail_k = work_k[..., work_k.shape[2] - keep:, :] if keep else None
         self.tail_v = work_v[..., work_v.shape[2] - keep:, :] if keep else None
         return self, self
+
+    def _drop_unseen(self) -> None:
+        """Drop the stored positions no query can see again: those older than every row's
+        window (a row's kept first tokens live in the sinks buffer). Run once they make up
+        ``DROP_AFTER`` positions, so a long generation copies its window rarely.
+
+        Only positions a row would lose to its window even after a cut back to ``window``
+        tokens go, so a row is whole while it holds ``window`` tokens or fewer."""
+        dead = min(self._idx - self.window, min(self._qend))
+        if dead < DROP_AFTER or self.keys_q is None:
+            return
+        self._idx -= dead
+        self._pads = [p - dead for p in self._pads]  # negative: the row began before
+        self._qend = [q - dead for q in self._qend]
+
+        def rest(array):
+            return None if array is None else array[..., dead:, :]
+
+        self.keys_q = tuple(rest(a) for a in self.keys_q)
+        self.values_q = tuple(rest(a) for a in self.values_q)
+        self.mirror_k, self.mirror_v = rest(self.mirror_k), rest(self.mirror_v)
 
     def _grow(self, keys: mx.array, needed: int) -> None:
         if self.keys_q is not None and self.keys_q[0].shape[2] >= needed:
@@ -204,6 +253,8 @@ class CodecKVCache:
                 mx.concatenate([array[..., :self._idx, :], fresh], axis=2)
 
         def quantized(parts, bits):  # mx.quantize: packed uint32 words, scales, biases
+            if codec.raw:  # float16 as it came
+                return (grown(parts and parts[0], dim, keys.dtype),)
             groups = dim // codec.group_size
             old = parts or (None, None, None)
             return (grown(old[0], dim * bits // 32, mx.uint32),
@@ -218,7 +269,7 @@ class CodecKVCache:
     def _store_sinks(self, work_k: mx.array, work_v: mx.array, start: int) -> None:
         """Copy each row's first tokens from the chunk (its window ``[start, _idx)``)."""
         rows, heads, span, dim = work_k.shape
-        sinks = self.codec.sinks
+        sinks = self.pinned
         if self.sink_k is None:
             self.sink_k = mx.zeros((rows, heads, sinks, dim), dtype=work_k.dtype)
             self.sink_v = mx.zeros((rows, heads, sinks, work_v.shape[-1]), dtype=work_v.dtype)
@@ -236,8 +287,11 @@ class CodecKVCache:
             keys = rotation.apply(keys)
         if codec.rotate_values:
             values = rotation.apply(values)
-        new_k = mx.quantize(keys, group_size=codec.group_size, bits=codec.key_bits)
-        new_v = mx.quantize(values, group_size=codec.group_size, bits=codec.value_bits)
+        if codec.raw:
+            new_k, new_v = (keys,), (values,)
+        else:
+            new_k = mx.quantize(keys, group_size=codec.group_size, bits=codec.key_bits)
+            new_v = mx.quantize(values, group_size=codec.group_size, bits=codec.value_bits)
         fresh = None  # rows whose positions here are padding or quantized keep theirs
         if any(q > start for q in qend):
             fresh = (mx.arange(start, stop)[None] >= mx.array(qend)[:, None])[:, None, :, None]
@@ -256,7 +310,7 @@ class CodecKVCache:
             deq_k = rotation.invert(deq_k)
         if codec.rotate_values:
             deq_v = rotation.invert(deq_v)
-        first = [max(q, pad + codec.sinks) for q, pad in zip(qend, self._pads)]
+        first = [max(q, pad + self.pinned) for q, pad in zip(qend, self._pads)]
         aged = (mx.arange(start, stop)[None] >= mx.array(first)[:, None])[:, None, :, None]
         for mirror, deq in ((self.mirror_k, deq_k), (self.mirror_v, deq_v)):
             mirror[..., start:stop, :] = mx.where(aged, deq.astype(mirror.dtype),
@@ -266,7 +320,11 @@ class CodecKVCache:
 
     def attend(self, queries: mx.array, *, scale: float) -> mx.array:
         """Attention of post-RoPE ``queries`` (B, Hq, N, D) on what the cache holds, the
-        chunk ``update_and_fetch`` just stored included."""
+        chunk ``update_and_fetch`` just stored included.
+
+        A query at position ``t`` of its row sees the positions up to ``t``; under a
+        window of ``W`` keeping ``S``, only the first ``S`` of them and those after
+        ``t - (W - S)``: at most ``W``, whatever the chunking."""
         if self.mirror and queries.shape[2] == 1:
             return self._attend_mirror(queries, scale)
         codec = self.codec
@@ -277,26 +335,30 @@ class CodecKVCache:
         queries = (queries * scale).reshape(rows, kv_heads, repeats, n, dim)
         idx, pads = self._idx, mx.array(self._pads)[:, None, None]
         at = mx.arange(idx - n, idx)[None, :, None]  # each query's position, (1, N, 1)
-        horizon = mx.maximum(mx.array(qend)[:, None, None], at - codec.recent + 1)
+        horizon = mx.maximum(mx.array(qend)[:, None, None], at - self.recent + 1)
+        pinned = self.pinned
 
         def expand(array):
             return mx.expand_dims(array, 2)
 
-        quantized = tuple(expand(a[..., :idx, :]) for a in self.keys_q)
+        def seen(position):  # in the window of each query (positions past the kept ones)
+            return position >= at - (self.window - self.keep) + 1 \
+                if self.window is not None else True
+
+        stored = tuple(expand(a[..., :idx, :]) for a in self.keys_q)
         rotated = self._rotation.apply(queries) if codec.rotate_keys else queries
         position = mx.arange(idx)[None, None]
-        scores = [mx.quantized_matmul(rotated, *quantized, transpose=True,
-                                      group_size=codec.group_size, bits=codec.key_bits)]
-        masks = [(position >= pads + codec.sinks) & (position < horizon)]
-        if codec.recent:
+        scores = [_product(rotated, stored, codec, codec.key_bits, transpose=True)]
+        masks = [(position >= pads + pinned) & (position < horizon) & seen(position)]
+        if self.recent:
             position = mx.arange(start, idx)[None, None]
             scores.append(queries @ expand(work_k).swapaxes(-1, -2))
-            masks.append((position >= mx.maximum(pads + codec.sinks, horizon))
-                         & (position <= at))
-        if codec.sinks:
-            position = mx.arange(codec.sinks)[None, None]
+            masks.append((position >= mx.maximum(pads + pinned, horizon))
+                         & (position <= at) & seen(position))
+        if pinned:
+            rank = mx.arange(pinned)[None, None]
             scores.append(queries @ expand(self.sink_k).swapaxes(-1, -2))
-            masks.append(position + pads <= at)
+            masks.append((rank + pads <= at) & ((rank < self.keep) | seen(rank + pads)))
         widths = [s.shape[-1] for s in scores]
         scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
         mask = mx.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
@@ -304,24 +366,35 @@ class CodecKVCache:
         probs = mx.softmax(scores, axis=-1, precise=True)
         parts = mx.split(probs, np.cumsum(widths)[:-1].tolist(), axis=-1)
         values = tuple(expand(a[..., :idx, :]) for a in self.values_q)
-        out = mx.quantized_matmul(parts[0], *values, transpose=False,
-                                  group_size=codec.group_size, bits=codec.value_bits)
+        out = _product(parts[0], values, codec, codec.value_bits, transpose=False)
         if codec.rotate_values:
             out = self._rotation.invert(out)
-        floats = [work_v] if codec.recent else []
-        floats += [self.sink_v] if codec.sinks else []
+        floats = [work_v] if self.recent else []
+        floats += [self.sink_v] if pinned else []
         for part, value in zip(parts[1:], floats):
             out = out + part.astype(value.dtype) @ expand(value)
         return out.reshape(rows, q_heads, n, -1)
 
     def _attend_mirror(self, queries: mx.array, scale: float) -> mx.array:
-        idx = self._idx
-        mask = None
-        if any(self._pads):
-            mask = (mx.arange(idx)[None] >= mx.array(self._pads)[:, None])[:, None, None, :]
-        return mx.fast.scaled_dot_product_attention(
-            queries, self.mirror_k[..., :idx, :], self.mirror_v[..., :idx, :], scale=scale,
-            mask=mask)
+        """A decode step on the float16 mirror (and, under a window, the sinks buffer)."""
+        idx, pads = self._idx, mx.array(self._pads)[:, None]
+        keys, values = self.mirror_k[..., :idx, :], self.mirror_v[..., :idx, :]
+        position = mx.arange(idx)[None]
+        if self.window is None:
+            mask = position >= pads if any(self._pads) else None
+        else:  # the kept tokens from their own buffer, then what the window still sees
+            lowest = idx - (self.window - self.keep)
+            mask = (position >= pads + self.pinned) & (position >= lowest)
+            if self.pinned:
+                keys = mx.concatenate([self.sink_k, keys], axis=2)
+                values = mx.concatenate([self.sink_v, values], axis=2)
+                rank = mx.arange(self.pinned)[None]
+                mask = mx.concatenate([(rank + pads < idx) & (
+                    (rank < self.keep) | (rank + pads >= lowest)), mask], axis=1)
+        if mask is not None:
+            mask = mask[:, None, None, :]
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=mask)
 
     def held(self) -> tuple[mx.array, mx.array]:
         """The keys and values a decode step reads now, (B, H, positions, D), in the
@@ -334,21 +407,21 @@ class CodecKVCache:
                 (self.keys_q, codec.key_bits, codec.rotate_keys, self.tail_k, self.sink_k),
                 (self.values_q, codec.value_bits, codec.rotate_values, self.tail_v,
                  self.sink_v)):
-            array = mx.dequantize(*(a[..., :idx, :] for a in stored),
-                                  group_size=codec.group_size, bits=bits)
+            array = stored[0][..., :idx, :] if codec.raw else mx.dequantize(
+                *(a[..., :idx, :] for a in stored), group_size=codec.group_size, bits=bits)
             array = rotation.invert(array) if rotated else array
             if tail is not None:
                 start = idx - tail.shape[2]
                 front = array[..., :start, :].astype(tail.dtype)
                 floats = mx.concatenate([front, tail], axis=2)
                 qend = mx.array(self._qend)[:, None, None, None]
-                array = mx.where(position >= mx.maximum(qend, pads + codec.sinks), floats,
+                array = mx.where(position >= mx.maximum(qend, pads + self.pinned), floats,
                                  array.astype(tail.dtype))
             if sinks is not None:
-                index = mx.clip(position - pads, 0, codec.sinks - 1)
+                index = mx.clip(position - pads, 0, self.pinned - 1)
                 spread = mx.take_along_axis(sinks, mx.broadcast_to(
                     index, (*sinks.shape[:2], idx, 1)), axis=2)
-                array = mx.where((position >= pads) & (position < pads + codec.sinks),
+                array = mx.where((position >= pads) & (position < pads + self.pinned),
                                  spread, array.astype(sinks.dtype))
             held.append(array)
         return held[0], held[1]
@@ -369,7 +442,8 @@ class CodecKVCache:
         self.__dict__.update(joined.__dict__)
 
     def _blank(self, *, rows: int) -> CodecKVCache:
-        blank = CodecKVCache(self.codec, layer=self.layer, mirror=self.mirror, rows=rows)
+        blank = CodecKVCache(self.codec, layer=self.layer, mirror=self.mirror, rows=rows,
+                             window=self.window, keep=self.keep)
         blank._rotation = self._rotation
         return blank
 
@@ -402,16 +476,17 @@ class CodecKVCache:
                 parts.append(array)
             return mx.concatenate(parts)
 
+        parts = 1 if self.codec.raw else 3  # float16, or mx.quantize's words, scales, biases
         self.keys_q = tuple(stack(lambda c, i=i: c.keys_q and c.keys_q[i], idx, aligned=True)
-                            for i in range(3))
+                            for i in range(parts))
         self.values_q = tuple(stack(lambda c, i=i: c.values_q and c.values_q[i], idx,
-                                    aligned=True) for i in range(3))
+                                    aligned=True) for i in range(parts))
         tail = idx - min(self._qend)
         if tail:
             self.tail_k = stack(lambda c: c.tail_k, tail)
             self.tail_v = stack(lambda c: c.tail_v, tail)
-        self.sink_k = stack(lambda c: c.sink_k, self.codec.sinks)
-        self.sink_v = stack(lambda c: c.sink_v, self.codec.sinks)
+        self.sink_k = stack(lambda c: c.sink_k, self.pinned)
+        self.sink_v = stack(lambda c: c.sink_v, self.pinned)
         if self.mirror:
             self.mirror_k = stack(lambda c: c.mirror_k, idx, aligned=True)
             self.mirror_v = stack(lambda c: c.mirror_v, idx, aligned=True)
@@ -422,7 +497,7 @@ class CodecKVCache:
         take = mx.array(rows)
         self._pads = [self._pads[i] for i in rows]
         self._qend = [self._qend[i] for i in rows]
-        shift = min(self._pads)
+        shift = max(0, min(self._pads))  # a row that began before the storage: none
         tail = self._idx - min(self._qend)
         self._pads = [p - shift for p in self._pads]
         self._qend = [q - shift for q in self._qend]
@@ -444,8 +519,9 @@ class CodecKVCache:
     def extract(self, row: int) -> CodecKVCache:
         """Row ``row`` as a session's own cache (no padding, its own copies)."""
         pad, qend = self._pads[row], self._qend[row]
+        cut = max(pad, 0)  # a row that began before the storage keeps its negative pad
         one = self._blank(rows=1)
-        one._idx, one._qend = self._idx - pad, [qend - pad]
+        one._idx, one._qend, one._pads = self._idx - cut, [qend - cut], [pad - cut]
         if self.keys_q is None:
             return one
 
@@ -454,10 +530,10 @@ class CodecKVCache:
                 return None
             return mx.contiguous(array[row:row + 1, :, start:stop])
 
-        one.keys_q = tuple(part(a, pad, self._idx) for a in self.keys_q)
-        one.values_q = tuple(part(a, pad, self._idx) for a in self.values_q)
-        one.mirror_k = part(self.mirror_k, pad, self._idx)
-        one.mirror_v = part(self.mirror_v, pad, self._idx)
+        one.keys_q = tuple(part(a, cut, self._idx) for a in self.keys_q)
+        one.values_q = tuple(part(a, cut, self._idx) for a in self.values_q)
+        one.mirror_k = part(self.mirror_k, cut, self._idx)
+        one.mirror_v = part(self.mirror_v, cut, self._idx)
         one.sink_k, one.sink_v = part(self.sink_k, 0), part(self.sink_v, 0)
         tail, keep = self._idx - min(self._qend), self._idx - qend
         if keep:

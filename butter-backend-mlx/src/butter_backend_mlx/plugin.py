@@ -31,6 +31,7 @@ class MLXBackend:
     options = frozenset({"prefill_step"})
     takes_threads = False
     decode_paths = frozenset({"compressed", "dequant-mirror"})
+    kv_windows = True  # a window with kept first tokens in the codec cache (kvcache.py)
 
     @property
     def priority(self) -> int:

@@ -31,7 +31,7 @@ from butter.backend import (
     Work,
 )
 from butter.errors import InvalidRequestError
-from butter.kvcodec import KVCodec
+from butter.kvcodec import RAW, KVCodec
 from butter.sampling import allowed_tokens, token_logprob
 from butter_backend_mlx.kvcache import CodecKVCache, install_attention, unsupported
 
@@ -156,6 +156,15 @@ def _codec_for(model: MLXModel, codec: KVCodec) -> KVCodec | None:
     return codec
 
 
+def _no_window(model: MLXModel) -> str | None:
+    """Why this model's caches cannot be windowed, or None."""
+    if model.cache_kinds != {"KVCache"}:
+        return "it keeps caches other than plain attention ones"
+    if not install_attention(model.network):
+        return "its architecture has its own attention function"
+    return None
+
+
 class MLXRuntime:
     """The sessions of one MLX model (see the module docstring)."""
 
@@ -165,12 +174,19 @@ class MLXRuntime:
         if unknown:
             raise InvalidRequestError(f"The MLX back end has no option {sorted(unknown)}.")
         if kv.window is not None:
-            raise InvalidRequestError("The MLX back end has no KV window in this build.")
+            reason = _no_window(model)
+            if reason is not None:
+                raise InvalidRequestError(f"The MLX back end has no KV window for this "
+                                          f"model: {reason}.")
+            if kv.keep >= kv.window:
+                raise InvalidRequestError("The window must be longer than the positions it "
+                                          "keeps.")
         if kv.decode_path not in DECODE_PATHS:
             raise InvalidRequestError(f"The MLX back end has no decode path "
                                       f"{kv.decode_path!r}.")
         self._codec = _codec_for(model, kv.codec)
         self._mirror = self._codec is not None and kv.decode_path == "dequant-mirror"
+        self._window, self._keep = kv.window, kv.keep
         self._model = model
         self._network = model.network
         self.n_sessions = n_sessions
@@ -195,11 +211,14 @@ class MLXRuntime:
                 token_bytes += raw_bytes
             # A quantized cache holds more tokens in the same bytes, up to the trained context.
             max_positions = max(capacity, min(budget // token_bytes, model.info.n_ctx_train))
+        truncate = TruncateKind.ANYWHERE if rewinds else TruncateKind.NEVER
+        if kv.window is not None:  # a prompt fits the window; an answer runs past it
+            max_positions = kv.window
+            truncate = TruncateKind.UNTIL_WRAP
         self.kv = KVFacts(budget_bytes=budget, token_bytes=token_bytes,
                           max_positions=max_positions,
                           fork=ForkKind.COPY if rewinds else ForkKind.NONE,
-                          truncate=TruncateKind.ANYWHERE if rewinds else TruncateKind.NEVER,
-                          granule=GRANULE)
+                          truncate=truncate, window=kv.window, granule=GRANULE)
 
     # ---- steps ---------------------------------------------------------------------
 
@@ -295,10 +314,11 @@ class MLXRuntime:
 
     def _new_caches(self) -> list:
         """One session's empty per-layer caches."""
-        if self._codec is None:
+        if self._codec is None and self._window is None:
             return make_prompt_cache(self._network)
         layers, _, _ = self._model.kv_shape()
-        return [CodecKVCache(self._codec, layer=layer, mirror=self._mirror)
+        return [CodecKVCache(self._codec or RAW, layer=layer, mirror=self._mirror,
+                             window=self._window, keep=self._keep)
                 for layer in range(layers)]
 
     def _last_logits(self, tokens: mx.array, cache: list) -> mx.array:
@@ -365,7 +385,8 @@ class MLXRuntime:
         return {"device": str(mx.default_device()), "prefill_step": self.max_batch,
                 "kv_granule": GRANULE, "caches": sorted(self._model.cache_kinds),
                 "kv_codec": codec,
-                "kv_decode_path": "dequant-mirror" if self._mirror else "compressed"}
+                "kv_decode_path": "dequant-mirror" if self._mirror else "compressed",
+                "kv_window": self._window, "kv_window_keep": self._keep}
 
     def close(self) -> None:
         self._caches = [None] * self.n_sessions
