@@ -242,3 +242,25 @@ def test_butter_serve_mlx_answers_past_its_window(start_server):
             {"role": "user", "content": " ".join(["word"] * 200)}])
     assert info.value.code == "context_length_exceeded"
     server.stop()
+
+
+def test_a_codec_and_window_hold_across_swaps_between_back_ends(start_server, mlx_folder):
+    """One --kv-cache and --kv-window-size for the process: the MLX folder stores AURA
+    itself, the GGUF on the other back end as llama.cpp's nearest cache types."""
+    server = start_server("--kv-cache", "aura4v4", "--kv-window-size", "256",
+                          model=str(mlx_folder))
+    client = openai.OpenAI(base_url=server.base_url, api_key="-", max_retries=0, timeout=300)
+    question = [{"role": "user", "content": "Name the capital city of France."}]
+    for model, backend in ((str(mlx_folder), "mlx"), ("smollm2", "gguf"),
+                           (str(mlx_folder), "mlx")):
+        reply = client.chat.completions.create(model=model, messages=question, max_tokens=8,
+                                               temperature=0)
+        assert "Paris" in reply.choices[0].message.content
+        card = server.models()[0]["butter"]
+        assert card["backend"] == backend and card["kv_window"] == 256
+        if backend == "mlx":
+            assert card["kv_codec"] == "aura4v4"
+        else:
+            assert card["kv_cache"] == "aura4v4" and card["kv_cache_types"] == \
+                "keys q4_0, values q4_0"
+    server.stop()
