@@ -12,6 +12,10 @@ a raw one on the same loaded model, and per codec we report:
 - decode tokens/s of one session holding 512 and 4,096 tokens of context;
 - the longest context a fixed KV budget (``--budget-mib``) admits.
 
+With ``--floor`` (MLX) a ``raw-floor`` row stores float16 but attends through the codec
+cache's own arithmetic (float16 scores, one softmax over its parts, as a windowed raw
+cache does): its agreement with raw is what arithmetic alone costs, with no quantization.
+
 On GGUF the codecs run as llama.cpp cache types (``affine8`` = q8_0, ``affine4`` = q4_0,
 AURA recipes rounded up to those), so those rows are llama.cpp's own q8_0/q4_0.
 
@@ -30,12 +34,14 @@ from pathlib import Path
 import numpy as np
 
 from butter.backend import KVSpec, SamplingParams, Work
+from butter.kvcodec import KVCodec
 from butter.library import Model, default_plugins
 
 TEXT = Path(__file__).parent / "data" / "coriolanus-act1.txt"
 DEFAULT_CODECS = "raw,affine8,affine4,aura4v4,aura4v2,aura8v4"
 SPEED_CONTEXTS = (512, 4096)
 SPEED_STEPS = 32
+MLX_CHUNK = 128
 
 
 class Capture:
@@ -74,24 +80,53 @@ class MLXCapture(Capture):
         return self.keep(np.array(logits.astype(mx.float32)))
 
 
+FLOOR = "raw-floor"
+
+
 def runtime_for(model: Model, codec, capacity: int):
-    return model.loaded.create_runtime(kv=KVSpec(codec=codec), capacity=capacity, n_sessions=1,
+    kv = KVSpec(codec=codec)
+    if codec.name == FLOOR:  # float16 storage attended on as the MLX codecs attend
+        kv = KVSpec(codec=default_plugins().kv_codec("raw"), window=capacity)
+    return model.loaded.create_runtime(kv=kv, capacity=capacity, n_sessions=1,
                                        max_batch=512, options={})
+
+
+def stepped(runtime, tokens: list[int], sampler):
+    """Each position's log-probabilities, one decode step at a time (GGUF)."""
+    for token in tokens:
+        runtime.step([Work(0, [token], sampler)])
+        yield sampler.logprobs
+
+
+def chunked(runtime, tokens: list[int], chunk: int = MLX_CHUNK):
+    """Each position's log-probabilities from prefill chunks through the runtime's own
+    caches (MLX: a step returns its last position only, and decoding 2,048 tokens one at a
+    time takes an hour on a CPU). The codec caches attend within a chunk as decoding token
+    by token would (see butter_backend_mlx.kvcache), so the numbers are the same."""
+    import mlx.core as mx
+
+    caches = runtime._new_caches()
+    for start in range(0, len(tokens), chunk):
+        logits = runtime._network(mx.array([tokens[start:start + chunk]]), cache=caches)
+        rows = np.array(logits[0].astype(mx.float32), dtype=np.float64)
+        rows -= rows.max(-1, keepdims=True)
+        rows -= np.log(np.exp(rows).sum(-1, keepdims=True))
+        yield from rows
 
 
 def quality(model: Model, codecs: list, tokens: list[int], capture) -> dict[str, dict]:
     """Teacher-force ``tokens`` through a runtime per codec, in lockstep with raw."""
     runtimes = {c.name: runtime_for(model, c, 4096) for c in codecs}
     stats = {name: {"agree": 0, "nll": 0.0, "kl": 0.0} for name in runtimes}
-    samplers = {name: capture(model.info.n_vocab) for name in runtimes}
+    fed = tokens[:-1]
+    streams = {name: stepped(runtime, fed, capture(model.info.n_vocab))
+               if capture is GGUFCapture else chunked(runtime, fed)
+               for name, runtime in runtimes.items()}
     steps = len(tokens) - 1
     for position in range(steps):
         if position % 256 == 0:
             print(f"  teacher-forcing: {position}/{steps}", flush=True)
-        rows = {}
-        for name, runtime in runtimes.items():
-            runtime.step([Work(0, [tokens[position]], samplers[name])])
-            rows[name] = samplers[name].logprobs
+        rows = {name: next(stream) for name, stream in streams.items()}
         raw = rows["raw"]
         p_raw = np.exp(raw)
         best = int(raw.argmax())
@@ -154,9 +189,17 @@ def main() -> int:
     parser.add_argument("--budget-mib", type=float, default=32.0)
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--floor", action="store_true",
+                        help="MLX: add a row for float16 storage attended on through the "
+                             "codec cache's own arithmetic (the agreement that arithmetic "
+                             "alone, without quantization, reaches)")
     args = parser.parse_args()
     plugins = default_plugins()
     codecs = [plugins.kv_codec(name) for name in args.codecs.split(",")]
+    if args.floor:
+        if args.backend != "mlx":
+            raise SystemExit("--floor is an MLX measurement")
+        codecs.append(KVCodec(name=FLOOR))
     if codecs[0].name != "raw":
         codecs.insert(0, plugins.kv_codec("raw"))
     capture = GGUFCapture if args.backend == "gguf" else MLXCapture
