@@ -20,7 +20,8 @@ On GGUF the codecs run as llama.cpp cache types (``affine8`` = q8_0, ``affine4``
 AURA recipes rounded up to those), so those rows are llama.cpp's own q8_0/q4_0.
 
     .venv/bin/python bench/kv_codecs.py [--backend gguf|mlx] [--tokens 2048]
-        [--codecs raw,affine8,affine4,aura4v4,aura4v2,aura8v4] [--json out.json]
+        [--codecs raw,affine8,affine4,aura4v4,aura4v2,aura8v4,aura4v2+rv] [--floor]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 import time
 from pathlib import Path
 
+import attrs
 import numpy as np
 
 from butter.backend import KVSpec, SamplingParams, Work
@@ -204,6 +206,14 @@ def longest_context(model: Model, codec, budget_mib: float) -> int:
     return capacity
 
 
+def codec_named(plugins, name: str) -> KVCodec:
+    """A registered codec, or ``NAME+rv``: an AURA recipe with its values rotated too (the
+    measurement behind ``rotate_values``)."""
+    if name.endswith("+rv"):
+        return attrs.evolve(plugins.kv_codec(name[:-3]), name=name, rotate_values=True)
+    return plugins.kv_codec(name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="gguf")
@@ -218,7 +228,7 @@ def main() -> int:
                              "alone, without quantization, reaches)")
     args = parser.parse_args()
     plugins = default_plugins()
-    codecs = [plugins.kv_codec(name) for name in args.codecs.split(",")]
+    codecs = [codec_named(plugins, name) for name in args.codecs.split(",")]
     if args.floor:
         if args.backend != "mlx":
             raise SystemExit("--floor is an MLX measurement")

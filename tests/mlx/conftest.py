@@ -54,3 +54,14 @@ def mlx_server():
     server = ServerProcess("--backend", "mlx", "--parallel", "2", timeout=180)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """SmolLM2 loaded by the MLX back end from the shipped GGUF (through ``mx.load``)."""
+    from butter.library import default_plugins
+
+    plugins = default_plugins()
+    model = plugins.backends["mlx"].load(plugins.resolve("smollm2"))
+    yield model
+    model.close()

@@ -173,14 +173,6 @@ PROMPTS = ["<|im_start|>user\nName the capital city of France.<|im_end|>\n"
 DRAWN = 8
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    plugins = default_plugins()
-    model = plugins.backends["mlx"].load(plugins.resolve("smollm2"))
-    yield model
-    model.close()
-
-
 def _runtime(loaded, codec: KVCodec | None, path: str = "compressed", capacity: int = 1024):
     kv = KVSpec(codec=codec, decode_path=path) if codec else KVSpec(decode_path=path)
     return loaded.create_runtime(kv=kv, capacity=capacity, n_sessions=4, max_batch=128,

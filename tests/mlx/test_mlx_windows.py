@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from butter.backend import KVSpec, SamplingParams, Work
 from butter.kvcodec import RAW
-from butter.library import default_plugins
 
 mx = pytest.importorskip("mlx.core")
 from butter_backend_mlx.kvcache import DROP_AFTER, CodecKVCache  # noqa: E402
@@ -141,14 +140,6 @@ STORY = ("<|im_start|>user\nWrite a long story about a dragon who bakes bread.<|
          "<|im_start|>assistant\n")
 QUESTION = ("<|im_start|>user\nName the capital city of France.<|im_end|>\n"
             "<|im_start|>assistant\n")
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    plugins = default_plugins()
-    model = plugins.backends["mlx"].load(plugins.resolve("smollm2"))
-    yield model
-    model.close()
 
 
 def _runtime(loaded, codec=RAW, window=None, keep=4):
