@@ -207,11 +207,18 @@ def longest_context(model: Model, codec, budget_mib: float) -> int:
 
 
 def codec_named(plugins, name: str) -> KVCodec:
-    """A registered codec, or ``NAME+rv``: an AURA recipe with its values rotated too (the
-    measurement behind ``rotate_values``)."""
-    if name.endswith("+rv"):
-        return attrs.evolve(plugins.kv_codec(name[:-3]), name=name, rotate_values=True)
-    return plugins.kv_codec(name)
+    """A registered codec, or one varied for a measurement: ``NAME+rv`` rotates its values
+    too (``rotate_values``), ``NAME+vgN`` quantizes its values in groups of N."""
+    base, *extras = name.split("+")
+    codec = plugins.kv_codec(base)
+    for extra in extras:
+        if extra == "rv":
+            codec = attrs.evolve(codec, rotate_values=True)
+        elif extra.startswith("vg"):
+            codec = attrs.evolve(codec, value_group_size=int(extra[2:]))
+        else:
+            raise SystemExit(f"{name}: +rv (rotate values) or +vgN (value groups of N)")
+    return attrs.evolve(codec, name=name) if extras else codec
 
 
 def main() -> int:

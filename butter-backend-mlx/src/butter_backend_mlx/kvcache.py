@@ -69,8 +69,9 @@ def unsupported(codec: KVCodec, head_dim: int) -> str | None:
         return f"the {codec.family!r} family has no MLX arithmetic"
     if codec.key_bits not in MX_BITS or codec.value_bits not in MX_BITS:
         return "mx.quantize packs 2, 3, 4, 5, 6 or 8 bits"
-    if codec.group_size not in MX_GROUPS or head_dim % codec.group_size:
-        return f"groups of {codec.group_size} do not tile a head of {head_dim}"
+    for group in (codec.group_size, codec.value_group):
+        if group not in MX_GROUPS or head_dim % group:
+            return f"groups of {group} do not tile a head of {head_dim}"
     if (codec.rotate_keys or codec.rotate_values) and head_dim & (head_dim - 1):
         return f"the rotation needs a power-of-two head dimension, not {head_dim}"
     return None
@@ -113,14 +114,13 @@ def attention(queries, keys, values, cache, scale, mask, **kwargs):
                                              mask=mask, **kwargs)
 
 
-def _product(x: mx.array, stored: tuple, codec: KVCodec, bits: int, *,
+def _product(x: mx.array, stored: tuple, codec: KVCodec, bits: int, group: int, *,
               transpose: bool) -> mx.array:
     """``x @ stored.T`` (scores) or ``x @ stored`` (values) on a cache's main storage:
     float16 for ``raw``, ``mx.quantize`` parts otherwise."""
     if codec.raw:
         return x @ (stored[0].swapaxes(-1, -2) if transpose else stored[0])
-    return mx.quantized_matmul(x, *stored, transpose=transpose, group_size=codec.group_size,
-                               bits=bits)
+    return mx.quantized_matmul(x, *stored, transpose=transpose, group_size=group, bits=bits)
 
 
 class CodecKVCache:
@@ -252,16 +252,16 @@ class CodecKVCache:
             return fresh if array is None else \
                 mx.concatenate([array[..., :self._idx, :], fresh], axis=2)
 
-        def quantized(parts, bits):  # mx.quantize: packed uint32 words, scales, biases
+        def quantized(parts, bits, group):  # mx.quantize: packed words, scales, biases
             if codec.raw:  # float16 as it came
                 return (grown(parts and parts[0], dim, keys.dtype),)
-            groups = dim // codec.group_size
+            groups = dim // group
             old = parts or (None, None, None)
             return (grown(old[0], dim * bits // 32, mx.uint32),
                     grown(old[1], groups, keys.dtype), grown(old[2], groups, keys.dtype))
 
-        self.keys_q = quantized(self.keys_q, codec.key_bits)
-        self.values_q = quantized(self.values_q, codec.value_bits)
+        self.keys_q = quantized(self.keys_q, codec.key_bits, codec.group_size)
+        self.values_q = quantized(self.values_q, codec.value_bits, codec.value_group)
         if self.mirror:
             self.mirror_k = grown(self.mirror_k, dim, keys.dtype)
             self.mirror_v = grown(self.mirror_v, dim, keys.dtype)
@@ -291,7 +291,7 @@ class CodecKVCache:
             new_k, new_v = (keys,), (values,)
         else:
             new_k = mx.quantize(keys, group_size=codec.group_size, bits=codec.key_bits)
-            new_v = mx.quantize(values, group_size=codec.group_size, bits=codec.value_bits)
+            new_v = mx.quantize(values, group_size=codec.value_group, bits=codec.value_bits)
         fresh = None  # rows whose positions here are padding or quantized keep theirs
         if any(q > start for q in qend):
             fresh = (mx.arange(start, stop)[None] >= mx.array(qend)[:, None])[:, None, :, None]
@@ -305,7 +305,7 @@ class CodecKVCache:
     def _mirror_quantized(self, new_k, new_v, start: int, stop: int, qend: list[int]) -> None:
         codec, rotation = self.codec, self._rotation
         deq_k = mx.dequantize(*new_k, group_size=codec.group_size, bits=codec.key_bits)
-        deq_v = mx.dequantize(*new_v, group_size=codec.group_size, bits=codec.value_bits)
+        deq_v = mx.dequantize(*new_v, group_size=codec.value_group, bits=codec.value_bits)
         if codec.rotate_keys:
             deq_k = rotation.invert(deq_k)
         if codec.rotate_values:
@@ -348,7 +348,8 @@ class CodecKVCache:
         stored = tuple(expand(a[..., :idx, :]) for a in self.keys_q)
         rotated = self._rotation.apply(queries) if codec.rotate_keys else queries
         position = mx.arange(idx)[None, None]
-        scores = [_product(rotated, stored, codec, codec.key_bits, transpose=True)]
+        scores = [_product(rotated, stored, codec, codec.key_bits, codec.group_size,
+                           transpose=True)]
         masks = [(position >= pads + pinned) & (position < horizon) & seen(position)]
         if self.recent:
             position = mx.arange(start, idx)[None, None]
@@ -366,7 +367,8 @@ class CodecKVCache:
         probs = mx.softmax(scores, axis=-1, precise=True)
         parts = mx.split(probs, np.cumsum(widths)[:-1].tolist(), axis=-1)
         values = tuple(expand(a[..., :idx, :]) for a in self.values_q)
-        out = _product(parts[0], values, codec, codec.value_bits, transpose=False)
+        out = _product(parts[0], values, codec, codec.value_bits, codec.value_group,
+                       transpose=False)
         if codec.rotate_values:
             out = self._rotation.invert(out)
         floats = [work_v] if self.recent else []
@@ -403,12 +405,13 @@ class CodecKVCache:
         pads = mx.array(self._pads)[:, None, None, None]
         position = mx.arange(idx)[None, None, :, None]
         held = []
-        for stored, bits, rotated, tail, sinks in (
-                (self.keys_q, codec.key_bits, codec.rotate_keys, self.tail_k, self.sink_k),
-                (self.values_q, codec.value_bits, codec.rotate_values, self.tail_v,
-                 self.sink_v)):
+        for stored, bits, group, rotated, tail, sinks in (
+                (self.keys_q, codec.key_bits, codec.group_size, codec.rotate_keys,
+                 self.tail_k, self.sink_k),
+                (self.values_q, codec.value_bits, codec.value_group, codec.rotate_values,
+                 self.tail_v, self.sink_v)):
             array = stored[0][..., :idx, :] if codec.raw else mx.dequantize(
-                *(a[..., :idx, :] for a in stored), group_size=codec.group_size, bits=bits)
+                *(a[..., :idx, :] for a in stored), group_size=group, bits=bits)
             array = rotation.invert(array) if rotated else array
             if tail is not None:
                 start = idx - tail.shape[2]

@@ -32,6 +32,7 @@ class KVCodec:
     key_bits: int = RAW_BITS
     value_bits: int = RAW_BITS
     group_size: int = 64
+    value_group_size: int | None = None  # the values' own group, if not ``group_size``
     rotate_keys: bool = False
     rotate_values: bool = False
     sinks: int = 0
@@ -42,29 +43,37 @@ class KVCodec:
     def raw(self) -> bool:
         return self.key_bits == RAW_BITS and self.value_bits == RAW_BITS
 
-    def element_bits(self, bits: int) -> float:
+    @property
+    def value_group(self) -> int:
+        """Elements per scale and bias of the values."""
+        return self.value_group_size or self.group_size
+
+    def element_bits(self, bits: int, group: int | None = None) -> float:
         """Bits one element costs at ``bits``, its share of the group's scale and bias in."""
-        return float(bits) if bits >= RAW_BITS else bits + GROUP_OVERHEAD_BITS / self.group_size
+        group = group or self.group_size
+        return float(bits) if bits >= RAW_BITS else bits + GROUP_OVERHEAD_BITS / group
 
     @property
     def bits_per_element(self) -> float:
         """Mean bits per cached key or value element (long contexts: sinks and the recent
         tokens aside)."""
-        return (self.element_bits(self.key_bits) + self.element_bits(self.value_bits)) / 2
+        return (self.element_bits(self.key_bits)
+                + self.element_bits(self.value_bits, self.value_group)) / 2
 
     def token_bytes(self, key_elements: int, value_elements: int) -> int:
         """Bytes one cached token costs when each token holds ``key_elements`` key and
         ``value_elements`` value elements across every layer (float16 raw)."""
         bits = key_elements * self.element_bits(self.key_bits) \
-            + value_elements * self.element_bits(self.value_bits)
+            + value_elements * self.element_bits(self.value_bits, self.value_group)
         return max(1, int(-(-bits // 8)))
 
     def short(self) -> str:
         """One line for logs and ``butter plugins``."""
         if self.raw:
             return "float16 keys and values"
-        parts = [f"keys {self.key_bits}-bit, values {self.value_bits}-bit, "
-                 f"groups of {self.group_size}"]
+        groups = f"groups of {self.group_size}" if self.value_group == self.group_size \
+            else f"groups of {self.group_size} (values {self.value_group})"
+        parts = [f"keys {self.key_bits}-bit, values {self.value_bits}-bit, {groups}"]
         if self.rotate_keys:
             parts.append("Hadamard-rotated keys" + (" and values" if self.rotate_values else ""))
         if self.sinks or self.recent:
