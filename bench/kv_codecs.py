@@ -208,7 +208,8 @@ def longest_context(model: Model, codec, budget_mib: float) -> int:
 
 def codec_named(plugins, name: str) -> KVCodec:
     """A registered codec, or one varied for a measurement: ``NAME+rv`` rotates its values
-    too (``rotate_values``), ``NAME+vgN`` quantizes its values in groups of N."""
+    too (``rotate_values``), ``NAME+vgN`` quantizes its values in groups of N, ``NAME+gN``
+    keys and values."""
     base, *extras = name.split("+")
     codec = plugins.kv_codec(base)
     for extra in extras:
@@ -216,8 +217,11 @@ def codec_named(plugins, name: str) -> KVCodec:
             codec = attrs.evolve(codec, rotate_values=True)
         elif extra.startswith("vg"):
             codec = attrs.evolve(codec, value_group_size=int(extra[2:]))
+        elif extra.startswith("g"):
+            codec = attrs.evolve(codec, group_size=int(extra[1:]))
         else:
-            raise SystemExit(f"{name}: +rv (rotate values) or +vgN (value groups of N)")
+            raise SystemExit(f"{name}: +rv (rotate values), +vgN (value groups of N) or "
+                             "+gN (groups of N)")
     return attrs.evolve(codec, name=name) if extras else codec
 
 
