@@ -164,6 +164,24 @@ def test_a_batch_of_rows_attends_as_each_row_alone():
             assert np.array_equal(_f32(mine), _f32(theirs))
 
 
+def test_a_short_row_left_alone_in_the_batch_keeps_only_its_own_float16_tail():
+    """A long AURA row leaves the batch while one shorter than the recent window stays:
+    the float16 tail shrinks to the short row's, and it attends as alone."""
+    codec = CODECS["aura4v2"]
+    long_ = _stored(codec, _tokens(1, 100, 1.0), _tokens(2, 100, 1.0))
+    short = _stored(codec, _tokens(3, 5, 1.0), _tokens(4, 5, 1.0))
+    alone = short.prefix(short.size())
+    batch = CodecKVCache.merge([long_, short])
+    batch.filter(mx.array([1]))
+    keys, values = _tokens(5, 1, 1.0), _tokens(6, 1, 1.0)
+    queries = _tokens(7, 1, 1.0, heads=Q_HEADS)
+    batch.update_and_fetch(keys, values)
+    alone.update_and_fetch(keys, values)
+    assert batch.tail_k.shape[2] == alone.tail_k.shape[2] == 6
+    assert np.array_equal(_f32(batch.attend(queries, scale=0.125)),
+                          _f32(alone.attend(queries, scale=0.125)))
+
+
 # ---- the shipped SmolLM2 -----------------------------------------------------------
 
 PROMPTS = ["<|im_start|>user\nName the capital city of France.<|im_end|>\n"

@@ -111,7 +111,7 @@ def test_windowed_rows_batch_as_each_row_alone_after_dropping_old_positions():
         short, cut = _filled(codec, 40, 3), _filled(codec, 60, 30)
         cut.trim(10)  # a row that never passed its window cuts back exactly
         assert min(longer._pads) < 0 and min(long_._pads) < 0  # positions were dropped
-        alone = [c.prefix(c.size()) for c in (long_, longer, short, cut)]
+        alone = [c.prefix(c._idx - c._pads[0]) for c in (long_, longer, short, cut)]
         batch = CodecKVCache.merge([long_, longer])
         batch.extend(CodecKVCache.merge([short, cut]))
         for step in range(90):

@@ -498,10 +498,10 @@ class CodecKVCache:
         """Keep the rows ``batch_indices`` (in that order), in place; drop shared padding."""
         rows = [int(i) for i in np.array(batch_indices).reshape(-1)]
         take = mx.array(rows)
+        tail = self._idx - min(self._qend)  # the float16 tail's length, every row's
         self._pads = [self._pads[i] for i in rows]
         self._qend = [self._qend[i] for i in rows]
         shift = max(0, min(self._pads))  # a row that began before the storage: none
-        tail = self._idx - min(self._qend)
         self._pads = [p - shift for p in self._pads]
         self._qend = [q - shift for q in self._qend]
         self._idx -= shift
@@ -561,8 +561,9 @@ class CodecKVCache:
         return n
 
     def prefix(self, length: int) -> CodecKVCache:
-        """A copy of this one-row cache's first ``length`` positions (a fork)."""
+        """A copy of this one-row cache's first ``length`` positions (a fork; exact while
+        the row has dropped nothing, or for its whole length)."""
         view = self._blank(rows=1)
         view.__dict__.update(self.__dict__, _qend=list(self._qend))
-        view.trim(self._idx - length)
+        view.trim(self._idx - self._pads[0] - length)
         return view.extract(0)

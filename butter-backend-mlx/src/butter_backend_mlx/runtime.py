@@ -219,6 +219,9 @@ class MLXRuntime:
                           max_positions=max_positions,
                           fork=ForkKind.COPY if rewinds else ForkKind.NONE,
                           truncate=truncate, window=kv.window, granule=GRANULE)
+        if kv.window is not None and self.kv.cost(kv.window) > budget:
+            raise InvalidRequestError(f"A {kv.window}-token window needs more KV memory than "
+                                      f"the {capacity}-token budget holds.")
 
     # ---- steps ---------------------------------------------------------------------
 
@@ -372,6 +375,8 @@ class MLXRuntime:
     def fork(self, source: int, target: int, length: int) -> bool:
         if self.kv.fork is ForkKind.NONE or length > self._lengths[source] or source == target:
             return False
+        if self.kv.wrapped(self._lengths[source]) and length < self._lengths[source]:
+            return False  # its window dropped positions a shorter copy would need
         self._leave_batch(source)
         self._leave_batch(target)
         copies = [_prefix(cache, length) for cache in self._caches[source] or ()]
