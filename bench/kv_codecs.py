@@ -181,7 +181,7 @@ def _fill_mlx(model: Model, runtime, length: int) -> None:
     cache holds, not on what."""
     import mlx.core as mx
 
-    layers, kv_heads, head_dim = model.loaded.kv_shape()
+    _, kv_heads, head_dim = model.loaded.kv_shape()
     dtype = model.loaded.activation_dtype
     caches = runtime._new_caches()
     for cache in caches:

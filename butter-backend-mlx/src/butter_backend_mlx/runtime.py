@@ -140,29 +140,25 @@ def _log_raw_fallback(codec: KVCodec, reason: str) -> None:
                     "raw (float16)", codec.name, reason)
 
 
+def _no_codec_cache(model: MLXModel) -> str | None:
+    """Why :class:`CodecKVCache` (a codec, a window) cannot serve this model, or None."""
+    if model.cache_kinds != {"KVCache"}:
+        return "the model keeps caches other than plain attention ones"
+    if not install_attention(model.network):
+        return "the architecture has its own attention function"
+    return None
+
+
 def _codec_for(model: MLXModel, codec: KVCodec) -> KVCodec | None:
     """``codec`` if this model's caches can store it, else None (logged once: raw)."""
     if codec.raw:
         return None
     _, _, head_dim = model.kv_shape()
-    reason = unsupported(codec, head_dim)
-    if reason is None and model.cache_kinds != {"KVCache"}:
-        reason = "the model keeps caches other than plain attention ones"
-    if reason is None and not install_attention(model.network):
-        reason = "the architecture has its own attention function"
+    reason = unsupported(codec, head_dim) or _no_codec_cache(model)
     if reason is not None:
         _log_raw_fallback(codec, reason)
         return None
     return codec
-
-
-def _no_window(model: MLXModel) -> str | None:
-    """Why this model's caches cannot be windowed, or None."""
-    if model.cache_kinds != {"KVCache"}:
-        return "it keeps caches other than plain attention ones"
-    if not install_attention(model.network):
-        return "its architecture has its own attention function"
-    return None
 
 
 class MLXRuntime:
@@ -174,7 +170,7 @@ class MLXRuntime:
         if unknown:
             raise InvalidRequestError(f"The MLX back end has no option {sorted(unknown)}.")
         if kv.window is not None:
-            reason = _no_window(model)
+            reason = _no_codec_cache(model)
             if reason is not None:
                 raise InvalidRequestError(f"The MLX back end has no KV window for this "
                                           f"model: {reason}.")
