@@ -59,3 +59,51 @@ def test_an_answer_does_not_depend_on_what_runs_beside_it(lanes, prompt, mode) -
     alone, fused, again = asyncio.run(scenario(lanes.base_url, prompt, MODES[mode]))
     assert fused == alone
     assert again == alone
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from butter.backend import KVSpec
+    from butter.library import default_plugins
+
+    plugins = default_plugins()
+    model = plugins.backends["gguf"].load(plugins.resolve("smollm2"), threads=2)
+    runtime = model.create_runtime(kv=KVSpec(), capacity=2048, n_sessions=2, max_batch=512,
+                                   options={"kv_layout": "per-session"})
+    yield model, runtime
+    runtime.close()
+    model.close()
+
+
+def read(runtime, session: int, tokens: list[int], cuts: list[int], answer: int = 4) -> list:
+    """Feed ``tokens`` in chunks ending at ``cuts`` (then at multiples of 256, as the engine
+    cuts them), draw ``answer`` greedy tokens; return every draw's log-probabilities."""
+    from butter.backend import SamplingParams, Work
+
+    sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0,
+                                                 logprobs=5))
+    try:
+        runtime.truncate(session, 0)
+        ends = sorted({*cuts, *range(256, len(tokens), 256), len(tokens)})
+        start, drawn = 0, []
+        for end in ends:
+            last = end == len(tokens)
+            (token,) = runtime.step([Work(session, tokens[start:end], sampler if last else None)])
+            start = end
+        drawn.append(sampler.last)
+        while len(drawn) < answer:
+            (token,) = runtime.step([Work(session, (token,), sampler)])
+            drawn.append(sampler.last)
+        return drawn
+    finally:
+        sampler.close()
+
+
+@pytest.mark.parametrize("cut", [9, 100, 250, 256, 300, 500, 505])
+def test_a_prompt_reads_the_same_wherever_its_chunks_are_cut(runtime, cut) -> None:
+    """A cached prefix ends anywhere: the rest of the prompt must compute the same
+    log-probabilities as one uncut read, to the last bit (a short tiled chunk is where
+    ggml would sum differently)."""
+    model, runtime = runtime
+    tokens = model.tokenize(LONG, add_special=False, parse_special=False)[:520]
+    assert read(runtime, 1, tokens, [cut]) == read(runtime, 0, tokens, [])

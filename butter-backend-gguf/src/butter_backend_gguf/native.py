@@ -317,6 +317,10 @@ PER_SESSION_MICRO_BATCH = 512
 # ggml-cpu's flash attention splits a lone row's keys across threads from 512 cells on;
 # llama.cpp reads a stream's cells in multiples of 256, so 256 filled cells stay below.
 SPLIT_KV_FREE_CELLS = 256
+# Prompt positions below this go row by row, later ones tiled (``_prefill`` cuts chunks
+# there). Under 256 cells both paths cost the same per row on SmolLM2 here, and row by
+# row needs no filler; further on, the tiled path attends faster.
+ROW_BY_ROW_BELOW = 256
 TILED_MIN_ROWS = FA_ROW_BY_ROW_MAX_ROWS + 1  # ggml-cpu flash attention tiles from 64 rows
 CONTEXT_GRANULE = 256  # llama.cpp pads a stream's cells to this
 
@@ -346,11 +350,12 @@ class GGUFRuntime:
 
     ``per-session`` (``kv_unified=false``, as llama-server runs): each session is its
     own KV stream of ``capacity / n_sessions`` cells in position order, so attention over
-    it never depends on other sessions. Each prompt chunk runs in a pass of its own,
-    padded to ggml's tiled attention (``_prefill``); every one-token row (decode rows, a
-    prompt's last token) goes in one shared pass, ordered so each row takes the same
-    attention path alone or batched (``_row_order``). The same request then gives the
-    same answer whatever runs beside it. Forks copy the source's stream.
+    it never depends on other sessions. Each prompt chunk runs in passes of its own, each
+    position on the attention path its absolute position names (``_prefill``); every
+    one-token row (decode rows, a prompt's last token) goes in one shared pass, ordered
+    so each row takes the same attention path alone or batched (``_row_order``). The
+    same request then gives the same answer whatever runs beside it. Forks copy the
+    source's stream.
 
     ``shared`` (``kv_unified=true``): one cache every session draws cells from, so one
     request may use it all; forks alias cells for free. Cells end up out of position
@@ -523,23 +528,37 @@ class GGUFRuntime:
         self._lengths[session] = length - discard
 
     def _prefill(self, item: Work, body: Sequence[int]) -> None:
-        """Feed a chunk (no logits) in a pass of its own, padded to the tiled kernel.
+        """Feed a chunk (no logits), each prompt position on the attention path its
+        absolute position names, so it is computed the same in whichever chunk it falls.
 
-        ggml's CPU flash attention sums differently for passes under 64 rows (row by row)
-        and from 64 on (tiled, the same whatever the tiling). A prompt position must be
-        computed the same way whichever chunk it falls in, so a short chunk gets filler
-        rows after it (later positions: causal attention hides them from the chunk) and
-        their cells go at once."""
+        ggml's CPU flash attention sums differently for passes under 64 rows of a stream
+        (row by row: each row alone, whatever else the pass holds) and from 64 on (tiled,
+        the same whatever the tiling). Positions below ``ROW_BY_ROW_BELOW`` go row by row,
+        in passes of at most 63 rows: a short prompt, or the few tokens after a cached
+        prefix, costs only its own rows. Later positions go tiled, where long contexts
+        attend faster; a tiled piece under 64 rows gets filler rows after it (later
+        positions: causal attention hides them from the piece) whose cells go at once."""
         session = item.session
-        start = self._lengths[session]
-        filler = max(0, TILED_MIN_ROWS - len(body))
-        if start + len(body) + filler > self._stream_cells:
+        done = 0
+        while done < len(body):
+            start = self._lengths[session]
+            if start < ROW_BY_ROW_BELOW:
+                piece = body[done:done + min(FA_ROW_BY_ROW_MAX_ROWS, ROW_BY_ROW_BELOW - start)]
+                self._decode([item], [(item, piece, False)])
+            else:
+                piece = body[done:]
+                self._tiled(item, piece, start)
+            done += len(piece)
+
+    def _tiled(self, item: Work, piece: Sequence[int], start: int) -> None:
+        session = item.session
+        filler = max(0, TILED_MIN_ROWS - len(piece))
+        if start + len(piece) + filler > self._stream_cells:
             filler = 0
-        padded = list(body) + [body[-1]] * filler
-        self._decode([item], [(item, padded, False)])
+        self._decode([item], [(item, list(piece) + [piece[-1]] * filler, False)])
         if filler:
-            ll.llama_memory_seq_rm(self._memory, session, start + len(body), -1)
-            self._lengths[session] = start + len(body)
+            ll.llama_memory_seq_rm(self._memory, session, start + len(piece), -1)
+            self._lengths[session] = start + len(piece)
 
     def new_sampler(self, params: SamplingParams) -> GGUFSampler:
         return GGUFSampler(params, self._n_vocab)
