@@ -329,18 +329,25 @@ class Engine:
                 prefilling.append(request)
         # Prefill chunks end at multiples of ``size`` (absolute positions), whatever else
         # runs: a prompt is cut the same way alone or batched, so its cache is computed
-        # the same way. A chunk that does not fit this step waits for the next, unless
-        # none has been planned (a back end whose batches are small takes what fits).
+        # the same way. The shortest prompt left goes first, so short requests beside a
+        # long one get their first token after their own prompt, not after its chunk. A
+        # chunk that does not fit this step waits for the next, where it goes first
+        # (nothing starves), unless none has been planned (a back end whose batches are
+        # small takes what fits).
+        prefilling.sort(key=lambda r: (not r.prefill_waited,
+                                       len(r.prompt_tokens) - r.next_prefill))
         budget = self._runtime.max_batch - len(plan)
         size = max(1, min(self.config.prefill_chunk, self._runtime.max_batch))
         planned = False
         for request in prefilling:
+            request.prefill_waited = budget <= 0
             if budget <= 0:
-                break
+                continue
             start = request.next_prefill
             end = min((start // size + 1) * size, len(request.prompt_tokens))
             if end - start > budget:
                 if planned:
+                    request.prefill_waited = True
                     continue
                 end = start + budget
             budget -= end - start
