@@ -146,7 +146,7 @@ def test_admission_reserves_in_bytes_and_the_fifo_waits_for_room(engine_for):
 
 def test_short_prompts_prefill_before_a_long_one_which_then_goes_first(engine_for):
     model = FakeModel()
-    engine = engine_for(model, parallel=4, capacity=256, max_batch=32, prefill_chunk=16)
+    engine = engine_for(model, parallel=4, capacity=256, max_batch=64, prefill_chunk=16)
     model.runtime.delay = 0.05
     busy = Client(engine, [9, 9, 9], max_tokens=40)  # keeps the engine stepping
     while not model.runtime.steps:
@@ -158,7 +158,8 @@ def test_short_prompts_prefill_before_a_long_one_which_then_goes_first(engine_fo
     busy.result()
     sizes = [[n for _, n in step if n > 3] for step in model.runtime.steps]
     first = next(i for i, step in enumerate(sizes) if step)
-    # The two 10-token prompts fill the step; the long prompt's 16-token chunk waits...
+    # The step that ends the two 10-token prompts takes no chunk of the long one, though
+    # it would fit: their first tokens wait for their own prompts only...
     assert sizes[first] == [10, 10]
     # ...and goes first in the next step, then its chunks follow one a step.
     assert sizes[first + 1:first + 4] == [[16], [16], [8]]

@@ -329,30 +329,31 @@ class Engine:
                 prefilling.append(request)
         # Prefill chunks end at multiples of ``size`` (absolute positions), whatever else
         # runs: a prompt is cut the same way alone or batched, so its cache is computed
-        # the same way. The shortest prompt left goes first, so short requests beside a
-        # long one get their first token after their own prompt, not after its chunk. A
-        # chunk that does not fit this step waits for the next, where it goes first
-        # (nothing starves), unless none has been planned (a back end whose batches are
-        # small takes what fits).
+        # the same way. Tokens leave only when the whole step is done, so a step that
+        # ends some prompt (its first token) takes no chunk of a longer one, shortest
+        # prompt first: short requests beside a long one wait for their own prompts
+        # only. A chunk that waited goes first in the next step, so nothing waits twice
+        # in a row. A chunk too big for what is left waits too, unless none has been
+        # planned (a back end whose batches are small takes what fits).
         prefilling.sort(key=lambda r: (not r.prefill_waited,
                                        len(r.prompt_tokens) - r.next_prefill))
         budget = self._runtime.max_batch - len(plan)
         size = max(1, min(self.config.prefill_chunk, self._runtime.max_batch))
-        planned = False
+        planned = ending = False
         for request in prefilling:
-            request.prefill_waited = budget <= 0
-            if budget <= 0:
-                continue
             start = request.next_prefill
             end = min((start // size + 1) * size, len(request.prompt_tokens))
-            if end - start > budget:
-                if planned:
-                    request.prefill_waited = True
-                    continue
-                end = start + budget
+            last = end == len(request.prompt_tokens)
+            waits = budget <= 0 or (end - start > budget and planned) \
+                or (ending and not last and not request.prefill_waited)
+            request.prefill_waited = waits
+            if waits:
+                continue
+            end = min(end, start + budget)
+            last = end == len(request.prompt_tokens)
             budget -= end - start
             planned = True
-            last = end == len(request.prompt_tokens)
+            ending = ending or last
             plan.append((request, Work(request.session.seq_id,
                                        request.prompt_tokens[start:end],
                                        request.sampler if last else None,
