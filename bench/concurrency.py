@@ -18,6 +18,9 @@ Ratios are butter/peer: above 1 is better for tok/s, below 1 is better for TTFT.
 With ``--rounds`` > 1 every block runs again and the figures are medians. The JSON
 keeps every level with the 1-minute load average seen when it ended.
 
+``--same peer`` (or ``butter``) runs that one server in both columns, in the same
+alternating order: an A/A run, whose ratios are what the machine's noise alone does.
+
     /work/venv/bin/python bench/concurrency.py [--waves 3] [--json out.json]
 """
 
@@ -100,9 +103,9 @@ async def bench_block(block: str, url: str, args: argparse.Namespace) -> dict:
 
 
 def run_block(name: str, block: str, args: argparse.Namespace, logs: Path) -> dict:
-    plan = ServerPlan(name=name, parallel=args.parallel, slot_context=args.slot_context,
-                      threads=args.threads, llama_server=args.llama_server,
-                      butter_args=args.butter_args)
+    plan = ServerPlan(name=args.same or name, parallel=args.parallel,
+                      slot_context=args.slot_context, threads=args.threads,
+                      llama_server=args.llama_server, butter_args=args.butter_args)
     with running_server(plan, logs) as url:
         return asyncio.run(bench_block(block, url, args))
 
@@ -147,6 +150,8 @@ def main() -> int:
     parser.add_argument("--mixed-lanes", type=int, default=8, help="lanes in the mixed level")
     parser.add_argument("--long-tokens", type=int, default=2000, help="long prompt size")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--same", choices=("butter", "peer"),
+                        help="run this server in both columns (an A/A run: the noise)")
     add_common_arguments(parser)
     args = parser.parse_args()
     logs = log_dir(args)
@@ -159,7 +164,10 @@ def main() -> int:
                 results[name].setdefault(block, []).append(run_block(name, block, args, logs))
             step += 1
     rows = build_rows(results, args.levels)
-    print_rows(f"concurrency, {args.max_tokens} tokens/request, {args.waves} waves/level", rows)
+    title = f"concurrency, {args.max_tokens} tokens/request, {args.waves} waves/level"
+    if args.same:
+        title += f" (A/A: {args.same} in both columns)"
+    print_rows(title, rows)
     if not clean(results):
         console.print("[red]some requests failed, leaked markers or broke UTF-8: see above[/red]")
     save_json(args.json, rows, {"results": results, "args": {

@@ -1,0 +1,108 @@
+"""What one llama_decode costs per row, on the pinned llama.cpp alone (no butter code).
+
+The minimal reproduction behind the concurrency limit in ``bench/README.md``: on this
+CPU, SmolLM2's Q4_1 matrix products (ggml's ``vec_dot_q4_1_q8_1``, one weight row
+against one activation row at a time) cost the same per row whether a pass holds one
+row or many. A pass is a fixed cost plus a per-row cost, so batching saves only the fixed
+part, and two servers that run these kernels on the same rows take the same time.
+
+    .venv/bin/python bench/row_cost.py [--threads 2] [--reps 15]
+
+It opens one context the way llama-server ``-np 8`` does (a KV stream per slot), puts
+100 tokens in each stream, then times, median of ``--reps``:
+
+* ``N decode rows``: one token in each of N streams, one pass (llama-server's decode
+  step at N lanes);
+* ``N-row chunk``: N prompt tokens of one stream, one pass (prefill).
+
+and prints the milliseconds, the milliseconds per row, and a least-squares fit
+``fixed + per_row * N`` over the decode rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+
+import llama_cpp as ll
+
+from butter.resolvers import shipped_model_path
+
+STREAMS = 8
+FILLED = 100  # tokens already in every stream
+
+
+@ll.llama_log_callback
+def _quiet(_level: int, _text: bytes, _user_data: ctypes.c_void_p) -> None:
+    """llama.cpp's load log is not the point here."""
+
+
+def batch_of(rows: list[tuple[int, int, int, bool]]):
+    """A llama_batch of ``(seq, token, position, logits)`` rows."""
+    batch = ll.llama_batch_init(len(rows), 0, 1)
+    for i, (seq, token, position, logits) in enumerate(rows):
+        batch.token[i], batch.pos[i] = token, position
+        batch.n_seq_id[i], batch.seq_id[i][0] = 1, seq
+        batch.logits[i] = int(logits)
+    batch.n_tokens = len(rows)
+    return batch
+
+
+def timed(ctx, memory, rows, reps: int) -> float:
+    """Median milliseconds of decoding ``rows``, each time after dropping them again."""
+    batch = batch_of(rows)
+    seconds = []
+    try:
+        for _ in range(reps):
+            for seq in {row[0] for row in rows}:
+                ll.llama_memory_seq_rm(memory, seq, FILLED, -1)
+            start = time.perf_counter()
+            if ll.llama_decode(ctx, batch) != 0:
+                raise SystemExit("llama_decode failed")
+            seconds.append(time.perf_counter() - start)
+    finally:
+        ll.llama_batch_free(batch)
+    return statistics.median(seconds) * 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    ll.llama_log_set(_quiet, ctypes.c_void_p(0))
+    ll.llama_backend_init()
+    model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(),
+                                          ll.llama_model_default_params())
+    params = ll.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = STREAMS * 1024, 512, 512
+    params.n_seq_max, params.kv_unified = STREAMS, False
+    params.n_threads = params.n_threads_batch = args.threads
+    ctx = ll.llama_init_from_model(model, params)
+    memory = ll.llama_get_memory(ctx)
+    for seq in range(STREAMS):  # every stream holds FILLED prompt tokens
+        fill = batch_of([(seq, 1000 + i, i, False) for i in range(FILLED)])
+        ll.llama_decode(ctx, fill)
+        ll.llama_batch_free(fill)
+
+    print(f"SmolLM2-135M Q4_1, {args.threads} threads, {FILLED} tokens in each stream")
+    decode = {}
+    for n in range(1, STREAMS + 1):
+        decode[n] = timed(ctx, memory, [(s, 100, FILLED, True) for s in range(n)], args.reps)
+        print(f"{n} decode rows   {decode[n]:7.2f} ms   {decode[n] / n:5.2f} ms/row")
+    for n in (16, 32, 63, 64, 128, 256):
+        ms = timed(ctx, memory, [(0, 100 + i % 50, FILLED + i, False) for i in range(n)],
+                   max(3, args.reps // 3))
+        print(f"{n:3d}-row chunk   {ms:7.2f} ms   {ms / n:5.2f} ms/row")
+    slope, fixed = statistics.linear_regression(list(decode), list(decode.values()))
+    print(f"decode fit: {fixed:.2f} ms fixed + {slope:.2f} ms per row; "
+          f"8 rows in one pass take {decode[8] / decode[1]:.2f}x one row")
+    ll.llama_free(ctx)
+    ll.llama_model_free(model)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
