@@ -165,9 +165,10 @@ def main() -> int:
             step += 1
     rows = build_rows(results, args.levels)
     title = f"concurrency, {args.max_tokens} tokens/request, {args.waves} waves/level"
-    if args.same:
-        title += f" (A/A: {args.same} in both columns)"
-    print_rows(title, rows)
+    if args.same:  # the columns keep their slots in the alternating order
+        print_rows(f"{title}, A/A: {args.same} in both columns", rows, "B", "A")
+    else:
+        print_rows(title, rows)
     if not clean(results):
         console.print("[red]some requests failed, leaked markers or broke UTF-8: see above[/red]")
     save_json(args.json, rows, {"results": results, "args": {
