@@ -16,7 +16,11 @@ It opens one context the way llama-server ``-np 8`` does (a KV stream per slot),
 * ``N-row chunk``: N prompt tokens of one stream, one pass (prefill).
 
 and prints the milliseconds, the milliseconds per row, and a least-squares fit
-``fixed + per_row * N`` over the decode rows.
+``fixed + per_row * N`` over the decode rows. Then it fills every stream to ``--long``
+tokens and times eight decode rows in one pass against one pass each: what butter's
+per-session layout pays to keep a long row's answer the same alone or in company (a
+lone row over 512 cells takes ggml's split-KV path, a row in company does not, so
+butter always runs such a row alone).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from butter.resolvers import shipped_model_path
 
 STREAMS = 8
 FILLED = 100  # tokens already in every stream
+STREAM_CELLS = 2048
 
 
 @ll.llama_log_callback
@@ -50,55 +55,75 @@ def batch_of(rows: list[tuple[int, int, int, bool]]):
     return batch
 
 
-def timed(ctx, memory, rows, reps: int) -> float:
-    """Median milliseconds of decoding ``rows``, each time after dropping them again."""
-    batch = batch_of(rows)
+def timed(ctx, memory, passes, reps: int) -> float:
+    """Median milliseconds of decoding every batch in ``passes`` (lists of rows), each
+    time after dropping those rows again."""
+    batches = [batch_of(rows) for rows in passes]
     seconds = []
     try:
         for _ in range(reps):
-            for seq in {row[0] for row in rows}:
-                ll.llama_memory_seq_rm(memory, seq, FILLED, -1)
+            for rows in passes:
+                for seq, _, position, _ in rows:
+                    ll.llama_memory_seq_rm(memory, seq, position, -1)
             start = time.perf_counter()
-            if ll.llama_decode(ctx, batch) != 0:
-                raise SystemExit("llama_decode failed")
+            for batch in batches:
+                if ll.llama_decode(ctx, batch) != 0:
+                    raise SystemExit("llama_decode failed")
             seconds.append(time.perf_counter() - start)
     finally:
-        ll.llama_batch_free(batch)
+        for batch in batches:
+            ll.llama_batch_free(batch)
     return statistics.median(seconds) * 1000
+
+
+def fill(ctx, memory, length: int, start: int) -> None:
+    """Put prompt tokens ``start..length`` in every stream (after dropping what is there)."""
+    for seq in range(STREAMS):
+        ll.llama_memory_seq_rm(memory, seq, start, -1)
+        for begin in range(start, length, 512):
+            rows = [(seq, 1000 + i % 500, i, False) for i in range(begin, min(length, begin + 512))]
+            batch = batch_of(rows)
+            ll.llama_decode(ctx, batch)
+            ll.llama_batch_free(batch)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--long", type=int, default=1500, help="tokens per stream, long rows")
     args = parser.parse_args()
     ll.llama_log_set(_quiet, ctypes.c_void_p(0))
     ll.llama_backend_init()
     model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(),
                                           ll.llama_model_default_params())
     params = ll.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch = STREAMS * 1024, 512, 512
+    params.n_ctx, params.n_batch, params.n_ubatch = STREAMS * STREAM_CELLS, 512, 512
     params.n_seq_max, params.kv_unified = STREAMS, False
     params.n_threads = params.n_threads_batch = args.threads
     ctx = ll.llama_init_from_model(model, params)
     memory = ll.llama_get_memory(ctx)
-    for seq in range(STREAMS):  # every stream holds FILLED prompt tokens
-        fill = batch_of([(seq, 1000 + i, i, False) for i in range(FILLED)])
-        ll.llama_decode(ctx, fill)
-        ll.llama_batch_free(fill)
+    fill(ctx, memory, FILLED, 0)
 
     print(f"SmolLM2-135M Q4_1, {args.threads} threads, {FILLED} tokens in each stream")
     decode = {}
     for n in range(1, STREAMS + 1):
-        decode[n] = timed(ctx, memory, [(s, 100, FILLED, True) for s in range(n)], args.reps)
+        decode[n] = timed(ctx, memory, [[(s, 100, FILLED, True) for s in range(n)]], args.reps)
         print(f"{n} decode rows   {decode[n]:7.2f} ms   {decode[n] / n:5.2f} ms/row")
     for n in (16, 32, 63, 64, 128, 256):
-        ms = timed(ctx, memory, [(0, 100 + i % 50, FILLED + i, False) for i in range(n)],
+        ms = timed(ctx, memory, [[(0, 100 + i % 50, FILLED + i, False) for i in range(n)]],
                    max(3, args.reps // 3))
         print(f"{n:3d}-row chunk   {ms:7.2f} ms   {ms / n:5.2f} ms/row")
     slope, fixed = statistics.linear_regression(list(decode), list(decode.values()))
     print(f"decode fit: {fixed:.2f} ms fixed + {slope:.2f} ms per row; "
           f"8 rows in one pass take {decode[8] / decode[1]:.2f}x one row")
+    long = min(args.long, STREAM_CELLS - 1)
+    fill(ctx, memory, long, FILLED)
+    rows = [(s, 100, long, True) for s in range(STREAMS)]
+    together = timed(ctx, memory, [rows], args.reps)
+    apart = timed(ctx, memory, [[row] for row in rows], args.reps)
+    print(f"8 decode rows at {long} tokens: {together:.1f} ms in one pass, "
+          f"{apart:.1f} ms in one pass each ({apart / together:.2f}x)")
     ll.llama_free(ctx)
     ll.llama_model_free(model)
     return 0
