@@ -156,7 +156,7 @@ def test_auto_call_is_constrained_once_opened(openai_client) -> None:
     copy = ('Repeat exactly: <tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris", "unit": "kelvin"}}\n</tool_call>')
     made = 0
-    for seed in range(4):
+    for seed in range(16):  # SmolLM2 opens the call in about a third of its samples
         reply = openai_client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": copy}], tools=TOOLS,
             temperature=0.7, seed=seed, max_tokens=80)
@@ -165,6 +165,8 @@ def test_auto_call_is_constrained_once_opened(openai_client) -> None:
         if message.tool_calls:
             made += 1
             check_calls(message)
+            if made == 2:
+                break
     assert made, "the model never opened a call"
 
 
