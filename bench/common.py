@@ -222,8 +222,8 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def print_rows(title: str, rows: Sequence[Row], peer: str = "llama-server",
                ours: str = "butter") -> None:
     table = Table(title=title, box=box.SIMPLE_HEAD)
-    for column in ("metric", ours, peer, f"{ours}/{peer}" if ours != "butter" else
-                   "butter/peer", "better"):
+    ratio = "butter/peer" if ours == "butter" else f"{ours}/{peer}"
+    for column in ("metric", ours, peer, ratio, "better"):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for row in rows:
         table.add_row(row.metric, _fmt(row.butter), _fmt(row.peer), _fmt(row.ratio, 3),

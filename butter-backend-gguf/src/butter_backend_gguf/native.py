@@ -547,11 +547,12 @@ class GGUFRuntime:
                 self._decode([item], [(item, piece, False)])
             else:
                 piece = body[done:]
-                self._tiled(item, piece, start)
+                self._tiled(item, piece)
             done += len(piece)
 
-    def _tiled(self, item: Work, piece: Sequence[int], start: int) -> None:
+    def _tiled(self, item: Work, piece: Sequence[int]) -> None:
         session = item.session
+        start = self._lengths[session]
         filler = max(0, TILED_MIN_ROWS - len(piece))
         if start + len(piece) + filler > self._stream_cells:
             filler = 0
