@@ -1,14 +1,18 @@
 """The KV codec contract: how a runtime may store keys and values (``--kv-cache``).
 
-A codec is a record, not code: the back ends own the arithmetic. ``butter-kvcodecs``
-registers ``raw``, ``affine8``, ``affine4`` and the AURA recipes through the plugin hooks;
-a third-party package registers its own the same way. A back end says, per codec, how it
-stores it (``Backend.kv_storage``) or that it cannot, and then serves ``raw``.
+A codec is a record, not code: the back ends own the arithmetic. Core registers ``raw``
+itself (it is the absence of a codec, the default every install must serve);
+``butter-kvcodecs`` registers ``affine8``, ``affine4`` and the AURA recipes through the
+plugin hooks, and a third-party package registers its own the same way. A back end
+says, per codec, how it stores it (``Backend.kv_storage``) or that it cannot, and then
+serves ``raw``.
 """
 
 from __future__ import annotations
 
 import attrs
+
+from butter.hookspecs import hookimpl
 
 RAW_BITS = 16
 # One float16 scale and one float16 bias per group of quantized elements (mx.quantize).
@@ -86,3 +90,8 @@ RAW = KVCodec(name="raw", description="float16 keys and values")
 
 class InvalidCodecError(ValueError):
     """A codec name a recipe family knows the shape of, with values it cannot take."""
+
+
+@hookimpl
+def register_kv_codecs(register) -> None:
+    register("raw", RAW)

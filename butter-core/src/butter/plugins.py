@@ -16,6 +16,13 @@ import pluggy
 
 from butter import hookspecs
 from butter.errors import BackendUnavailableError, ModelNotFoundError
+from butter.known import (
+    KNOWN_BACKENDS,
+    KNOWN_CODEC_FAMILIES,
+    KnownPlugin,
+    missing_backend,
+    missing_codec,
+)
 from butter.kvcodec import InvalidCodecError
 
 if TYPE_CHECKING:
@@ -29,7 +36,7 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = hookspecs.PROJECT
 
 # Built-in plugins register through the same hooks as third-party ones.
-DEFAULT_PLUGINS = ("butter.resolvers", "butter.chat.toolformats")
+DEFAULT_PLUGINS = ("butter.resolvers", "butter.chat.toolformats", "butter.kvcodec")
 
 
 @attrs.frozen
@@ -60,8 +67,7 @@ class Plugins:
         if preferred is not None:
             backend = self.backends.get(preferred)
             if backend is None:
-                known = ", ".join(sorted(self.backends)) or "none"
-                raise BackendUnavailableError(f"No back end named {preferred!r} (loaded: {known}).")
+                raise BackendUnavailableError(self.unknown_backend(preferred) + ".")
             reason = backend.unavailable()
             if reason is not None:
                 raise BackendUnavailableError(f"Back end {preferred!r} is unavailable: {reason}.")
@@ -78,6 +84,21 @@ class Plugins:
             "(install butter-core[gguf] or butter-core[mlx])."
         )
 
+    def unknown_backend(self, name: str) -> str:
+        """Why back end ``name`` is not here: the package that brings it, or what is."""
+        missing = missing_backend(name)
+        if missing is not None:
+            return f"back end {missing.hint(name)}"
+        known = ", ".join(sorted(self.backends)) or "none"
+        return f"no back end named {name!r} (known: {known})"
+
+    def missing(self) -> list[KnownPlugin]:
+        """First-party back ends and codec families that are known but not installed."""
+        absent = [known for known in KNOWN_BACKENDS if known.name not in self.backends]
+        if "affine8" not in self.kv_codecs:
+            absent.extend(KNOWN_CODEC_FAMILIES)
+        return absent
+
     def kv_codec(self, name: str) -> KVCodec:
         """The codec ``name`` names: a registered one or a recipe a family parses.
 
@@ -91,6 +112,9 @@ class Plugins:
             except Exception as exc:  # a broken recipe parser refuses, it does not crash
                 raise InvalidCodecError(f"a codec plugin failed on {name!r}: {exc}") from None
         if codec is None:
+            missing = missing_codec(name)
+            if missing is not None:
+                raise InvalidCodecError(missing.hint(name))
             known = ", ".join(sorted(self.kv_codecs)) or "none"
             raise InvalidCodecError(f"unknown codec {name!r} (known: {known}, or a recipe "
                                     "such as aura4v2)")

@@ -1,7 +1,8 @@
-"""Registers butter's KV codecs: ``raw``, ``affine8``, ``affine4``, ``aura`` and ``auraNvM``.
+"""Registers butter's KV codecs: ``affine8``, ``affine4``, ``aura`` and ``auraNvM``.
 
-The records say what is stored; each back end does the arithmetic its own way (see the
-package README for the AURA recipe and the measurements behind its defaults).
+``raw`` is core's own (``butter.kvcodec``). The records say what is stored; each back end
+does the arithmetic its own way (see the package README for the AURA recipe and the
+measurements behind its defaults).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import re
 
 from butter.hookspecs import hookimpl
-from butter.kvcodec import RAW, InvalidCodecError, KVCodec
+from butter.kvcodec import InvalidCodecError, KVCodec
 
 GROUP_SIZE = 64  # mx.quantize's default group; SmolLM2's head dimension
 AURA_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
@@ -41,7 +42,6 @@ def aura(key_bits: int, value_bits: int, name: str | None = None) -> KVCodec:
 
 @hookimpl
 def register_kv_codecs(register) -> None:
-    register("raw", RAW)
     register("affine8", affine(8))
     register("affine4", affine(4))
     key_bits, value_bits = map(int, _AURA.fullmatch(AURA_DEFAULT).groups())

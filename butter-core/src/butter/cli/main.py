@@ -172,12 +172,16 @@ def show_plugins() -> int:
         table.add_row("backend", name, detail)
     for name, codec in sorted(plugins.kv_codecs.items()):
         table.add_row("kv-codec", name, _codec_detail(codec, plugins.backends.values()))
-    table.add_row("kv-codec", "auraNvM", "recipes: N key bits, M value bits, each 2, 3, 4, "
-                  "5, 6 or 8 (aura4v2 ...)")
+    if "aura" in plugins.kv_codecs:
+        table.add_row("kv-codec", "auraNvM", "recipes: N key bits, M value bits, each 2, 3, "
+                      "4, 5, 6 or 8 (aura4v2 ...)")
     for fmt in plugins.tool_formats:
         table.add_row("tool-format", fmt.name, type(fmt).__module__)
     for name in plugins.resolver_names():
         table.add_row("resolver", name, "")
+    for known in plugins.missing():
+        table.add_row(known.kind, known.name,
+                      f"[yellow]not installed[/yellow]: {known.package} ({known.install})")
     for failure in plugins.failures:
         table.add_row("[red]failed[/red]", failure.name, failure.reason)
     Console().print(table)

@@ -85,8 +85,7 @@ def check_flags(args: argparse.Namespace) -> tuple[ModelLoader, AccessPolicy, KV
     kv = KVSpec(codec=codec, decode_path=args.aura_decode_path or "compressed",
                 window=window, keep=keep)
     if args.backend is not None and args.backend not in plugins.backends:
-        known = ", ".join(sorted(plugins.backends)) or "none"
-        raise UsageError("--backend", f"no back end named {args.backend!r} (known: {known})")
+        raise UsageError("--backend", plugins.unknown_backend(args.backend))
     _at_most("--parallel", args.parallel, MAX_PARALLEL)
     _at_most("--threads", args.threads, MAX_THREADS)
     _at_most("--ubatch-size", args.ubatch_size, MAX_BATCH)
