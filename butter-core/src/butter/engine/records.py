@@ -62,7 +62,6 @@ class Request:
     session: Session | None = None
     cached_tokens: int = 0
     next_prefill: int = 0  # index into prompt_tokens of the next token to prefill
-    prefill_waited: bool = False  # its chunk waited last step: it goes first now
     generated: list[int] = attrs.field(factory=list)
     last_token: int | None = None
     last_token_at: float = 0.0  # time.monotonic() when last_token was sampled

@@ -6,9 +6,9 @@ it only through :meth:`Engine.submit`, :meth:`Engine.cancel` and
 token ids: rendering and tokenizing run on the requesting threads.
 
 Each loop iteration is one bounded work unit: it drops cancelled requests, admits
-waiting ones in FIFO order, then runs one model pass holding the next token of
-every decoding session and an equal-sized prefill chunk of every session in
-prefill.
+waiting ones in FIFO order, then runs one model pass of what the planner
+(``engine/planner.py``) chose: the next token of every decoding session and prefill
+chunks of sessions still reading their prompts.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from butter.backend import (
 from butter.engine.admission import Admission
 from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta
 from butter.engine.metrics import Metrics
+from butter.engine.planner import Planner
 from butter.engine.records import Phase, Request, Session
 from butter.engine.text import StopMatcher
 from butter.errors import ButterError, EngineStoppedError, InternalError, InvalidRequestError
@@ -93,6 +94,7 @@ class Engine:
         self._sessions: list[Session] = []
         self._runtime: Runtime | None = None
         self._admission: Admission | None = None
+        self._planner: Planner | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         # Set when the thread ended without being asked to: the server must not live on.
@@ -154,6 +156,8 @@ class Engine:
             )
             self._sessions = [Session(seq_id=i) for i in range(self._runtime.n_sessions)]
             self._admission = Admission(self._runtime.kv, self.config.parallel)
+            self._planner = Planner(max_batch=self._runtime.max_batch,
+                                    prefill_chunk=self.config.prefill_chunk, mask=self._mask)
             self.metrics.sessions_total = len(self._sessions)
             self.metrics.kv_capacity_cells = self._admission.capacity
             self.metrics.kv_budget_bytes = self._runtime.kv.budget_bytes
@@ -318,55 +322,13 @@ class Engine:
 
     # ---- one model pass ------------------------------------------------------------
 
-    def _plan_batch(self) -> list[tuple[Request, Work]]:
-        plan: list[tuple[Request, Work]] = []
-        prefilling: list[Request] = []
-        for request in self._active:
-            if request.phase is Phase.DECODE:
-                plan.append((request, Work(request.session.seq_id, (request.last_token,),
-                                           request.sampler, self._mask(request))))
-            else:
-                prefilling.append(request)
-        # Prefill chunks end at multiples of ``size`` (absolute positions), whatever else
-        # runs: a prompt is cut the same way alone or batched, so its cache is computed
-        # the same way. Tokens leave only when the whole step is done, so a step that
-        # ends some prompt (its first token) takes no chunk of a longer one, shortest
-        # prompt first: short requests beside a long one wait for their own prompts
-        # only. A chunk that waited goes first in the next step, so nothing waits twice
-        # in a row. A chunk too big for what is left waits too, unless none has been
-        # planned (a back end whose batches are small takes what fits).
-        prefilling.sort(key=lambda r: (not r.prefill_waited,
-                                       len(r.prompt_tokens) - r.next_prefill))
-        budget = self._runtime.max_batch - len(plan)
-        size = max(1, min(self.config.prefill_chunk, self._runtime.max_batch))
-        planned = ending = False
-        for request in prefilling:
-            start = request.next_prefill
-            end = min((start // size + 1) * size, len(request.prompt_tokens))
-            last = end == len(request.prompt_tokens)
-            waits = budget <= 0 or (end - start > budget and planned) \
-                or (ending and not last and not request.prefill_waited)
-            request.prefill_waited = waits
-            if waits:
-                continue
-            end = min(end, start + budget)
-            last = end == len(request.prompt_tokens)
-            budget -= end - start
-            planned = True
-            ending = ending or last
-            plan.append((request, Work(request.session.seq_id,
-                                       request.prompt_tokens[start:end],
-                                       request.sampler if last else None,
-                                       self._mask(request) if last else None)))
-        return plan
-
     @staticmethod
     def _mask(request: Request):
         """The tokens ``request``'s grammar allows next (None: any): it stays in the batch."""
         return request.constraint.mask() if request.constraint is not None else None
 
     def _step(self) -> None:
-        plan = self._plan_batch()
+        plan = [(planned.request, planned.work) for planned in self._planner.tick(self._active)]
         if not plan:
             return
         decoding = any(request.phase is Phase.DECODE for request, _ in plan)

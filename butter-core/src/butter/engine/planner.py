@@ -1,0 +1,94 @@
+"""What one engine step feeds: a pure policy over the live requests.
+
+The engine thread calls :meth:`Planner.tick` once per step with the active requests; it
+returns the step's work and touches nothing else (no runtime, no clock, no threads), so
+the policy is tested step by step (``tests/core/test_planner.py``).
+
+The rules:
+
+- Every decoding request feeds its last token (one row each).
+- Prefill chunks end at multiples of ``prefill_chunk`` (absolute positions), whatever else
+  runs: a prompt is cut the same way alone or batched, so its cache is computed the same
+  way.
+- The shortest prompt left goes first. Tokens leave only when the whole step is done, so
+  a step that ends some prompt (its first token) takes no chunk of a longer one: short
+  requests beside a long one wait for their own prompts only.
+- Nothing waits twice in a row. A chunk that waited goes first in the next step; when
+  decoding rows fill the step, prefill still advances by at least one chunk (cut to half
+  the step at most) and the decoding rows that did not fit go first in the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from butter.backend import Work
+from butter.engine.records import Phase, Request
+
+
+@attrs.frozen
+class Planned:
+    """One request's part of a step."""
+
+    request: Request
+    work: Work
+
+
+@attrs.define
+class Planner:
+    """The step policy; its only state is who waited in the previous step."""
+
+    max_batch: int  # tokens one step may feed across sessions (the runtime's)
+    prefill_chunk: int  # prefill chunks end at multiples of it
+    mask: Callable[[Request], object | None] = lambda request: None
+    _waited: set[int] = attrs.field(factory=set)  # request ids that waited last step
+
+    def tick(self, active: Sequence[Request]) -> list[Planned]:
+        """The work of the next step for ``active`` (in their order)."""
+        decoding = [r for r in active if r.phase is Phase.DECODE]
+        prefilling = [r for r in active if r.phase is Phase.PREFILL]
+        prefilling.sort(key=lambda r: (r.id not in self._waited,
+                                       len(r.prompt_tokens) - r.next_prefill))
+        size = max(1, min(self.prefill_chunk, self.max_batch))
+        # Room kept for one chunk when decoding rows would take the whole step.
+        reserve = min(self._chunk(prefilling[0], size), max(1, self.max_batch // 2)) \
+            if prefilling and len(decoding) + 1 > self.max_batch else 0
+        room = self.max_batch - reserve
+        # Decoding rows that waited go first (stable: otherwise in the order they came).
+        by_wait = sorted(decoding, key=lambda r: r.id not in self._waited)
+        held = {r.id for r in by_wait[room:]}
+        plan = [Planned(r, Work(r.session.seq_id, (r.last_token,), r.sampler, self.mask(r)))
+                for r in decoding if r.id not in held]
+        waited = set(held)
+        budget = self.max_batch - len(plan)
+        planned = ending = False
+        for request in prefilling:
+            start = request.next_prefill
+            end = start + self._chunk(request, size)
+            last = end == len(request.prompt_tokens)
+            # A chunk too big for what is left waits, unless none has been planned (a
+            # back end whose steps are small takes what fits).
+            waits = budget <= 0 or (end - start > budget and planned) \
+                or (ending and not last and request.id not in self._waited)
+            if waits:
+                waited.add(request.id)
+                continue
+            end = min(end, start + budget)
+            last = end == len(request.prompt_tokens)
+            budget -= end - start
+            planned = True
+            ending = ending or last
+            plan.append(Planned(request, Work(request.session.seq_id,
+                                              request.prompt_tokens[start:end],
+                                              request.sampler if last else None,
+                                              self.mask(request) if last else None)))
+        self._waited = waited
+        return plan
+
+    @staticmethod
+    def _chunk(request: Request, size: int) -> int:
+        """Tokens from ``request``'s next prefill position to its chunk's end."""
+        start = request.next_prefill
+        return min((start // size + 1) * size, len(request.prompt_tokens)) - start
