@@ -3,7 +3,8 @@
 Starts ``butter serve --model smollm2 --parallel 4`` on a free port (alone: no peer,
 there is nothing to compare) and runs, against that one server:
 
-* the bad-input matrix, every case of ``butter.bench.hostile.bad_input_cases(full=True)``
+* the bad-input matrix, every case of ``bad_input_cases(full=True)`` in
+  ``tests/support/hostile.py``
   (every bad value in every field, ~4,400 cases; ``--matrix small`` runs the test
   suite's ~2,000): the answers by status, and the number of 5xx, which must be 0;
 * the hang-up storm, ``--storm`` requests (default 1,000) dropped by the client at
@@ -34,12 +35,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import MODEL_ID, console, log_dir, spawned
+from common import MODEL_ID, REPO, console, log_dir, spawned
 from rich import box
 from rich.progress import Progress
 from rich.table import Table
 
-from butter.bench import hostile
+sys.path.insert(0, str(REPO / "tests"))  # the drills are test support, not shipped
+from support import hostile  # noqa: E402
 
 RSS_GROWTH_LIMIT_MB = 10.0
 

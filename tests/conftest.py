@@ -17,7 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from butter.bench.hostile import read_metrics  # noqa: E402
+from support.hostile import read_metrics  # noqa: E402
+
 from butter.resolvers import shipped_model_path  # noqa: E402
 
 

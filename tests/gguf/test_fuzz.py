@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 
 import httpx
-
-from butter.bench import hostile
+from support import hostile
 
 FLAGS = ("--parallel", "4", "--threads", "1")  # see test_hostile.py
 MAX_EXAMPLES = 400

@@ -1,6 +1,6 @@
 """Hostile input against a real `butter serve`: the bad-input matrix and a hang-up storm.
 
-Both drills live in `butter.bench.hostile`; `bench/hostile.py` runs them larger. Each
+Both drills live in `tests/support/hostile.py`; `bench/hostile.py` runs them larger. Each
 test starts its own server, so its log and its memory belong to the drill alone. The
 servers run `--threads 1`: ggml's two-thread pool stalls at every barrier when another
 process is busy on this two-core machine, and the matrix then takes minutes, not one.
@@ -13,8 +13,7 @@ import random
 
 import httpx
 import pytest
-
-from butter.bench import hostile
+from support import hostile
 
 FLAGS = ("--parallel", "4", "--threads", "1")
 STORM = 200

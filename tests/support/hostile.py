@@ -20,7 +20,8 @@ Three drills, each against a server that is already up (``base_url`` is its root
 * :func:`fuzz`: bodies drawn by hypothesis-jsonschema from the request schemas the
   server publishes at ``/schema/openapi.json``, two in three then broken on purpose.
 
-The tests under ``tests/gguf`` and ``bench/hostile.py`` drive these. ``psutil`` and
+The tests under ``tests/gguf`` and ``bench/hostile.py`` drive these; it is test support,
+not shipped in the core wheel. ``psutil`` and
 ``hypothesis`` are imported only by the functions that need them.
 """
 

@@ -1,0 +1,1 @@
+"""Test support code that builds real artefacts (checkpoints) for the suite."""
