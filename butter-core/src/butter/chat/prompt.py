@@ -9,7 +9,10 @@ shows the model a whole agent round trip.
 ``tool_choice``: ``none`` leaves the tools out and parses no calls; ``auto`` lets
 the model decide; ``required`` and a named function open the answer with
 ``<tool_call>`` so the model must write a call (``butter.chat.grammar`` constrains
-it to a declared tool, or the named one, and its arguments' schema).
+it to a declared tool, or the named one, and its arguments' schema), in the format
+the template teaches (:attr:`ChatTemplate.tool_format`). When the template opened a
+think block itself, nothing is opened for the model: it thinks first, and the grammar
+holds the call that follows ``</think>``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from butter.chat.guard import NO_SPECIALS, TextGuard
 from butter.chat.recovery import THINK_OPEN
 from butter.chat.request import ChatRequest
 from butter.chat.template import ChatTemplate
+from butter.chat.toolformats import HERMES
 
 TOOLS_PREAMBLE = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -40,6 +44,8 @@ class PromptPlan:
     text: str
     parse_tools: bool
     think_open: bool
+    # The call format the model is taught: "hermes" or "qwen3_coder" (butter.chat.toolformats).
+    tool_format: str = HERMES
     # Text the prompt already wrote for the model (a forced tool-call opening): the
     # answer is read as if it started with it.
     answer_prefix: str = ""
@@ -69,11 +75,13 @@ def build_prompt(request: ChatRequest, template: ChatTemplate, *,
     if effort is not None:
         kwargs["reasoning_effort"] = effort
     text = template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+    # Read from the text, not the model's name: the template opened a think block (the
+    # Qwen3.5 template does unless enable_thinking is false), so the answer starts in it.
     think_open = text.rstrip().endswith(THINK_OPEN)
     # A template that opened a think block lets the model think first: no forced opening.
     prefix = _forced_opening(request) if use_tools and not think_open else ""
     return PromptPlan(text=text + guard.hide(prefix), parse_tools=use_tools, think_open=think_open,
-                      answer_prefix=prefix)
+                      tool_format=template.tool_format, answer_prefix=prefix)
 
 
 def _forced_opening(request: ChatRequest) -> str:

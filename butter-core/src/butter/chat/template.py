@@ -19,6 +19,7 @@ import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from butter.chat.toolformats import HERMES, taught_format
 from butter.errors import TemplateError
 
 # ChatML, for checkpoints that carry no template of their own.
@@ -71,6 +72,13 @@ class ChatTemplate:
     def accepts_tools(self) -> bool:
         """Whether the template renders a ``tools`` list itself."""
         return "tools" in self._variables
+
+    @property
+    def tool_format(self) -> str:
+        """The call format the model is taught (`butter.chat.toolformats.taught_format`):
+        the template's own when it renders tools, else the Hermes JSON butter writes into
+        the system message for it."""
+        return taught_format(self.source) if self.accepts_tools else HERMES
 
     def render(
         self,

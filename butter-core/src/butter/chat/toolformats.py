@@ -10,6 +10,8 @@ Built in:
 - `XmlToolFormat` – Qwen3-Coder: ``<tool_call><function=NAME><parameter=P>V</parameter>…
   </function></tool_call>``, and the same ``<function=…>`` block without the wrapper.
   Parameter values are text; they are typed by the tool's JSON schema.
+
+`taught_format` reads which of the two a chat template teaches its model.
 """
 
 from __future__ import annotations
@@ -26,14 +28,21 @@ from butter.hookspecs import hookimpl
 
 __all__ = [
     "BUILTIN_TOOL_FORMATS",
+    "HERMES",
     "NOT_A_BLOCK",
+    "QWEN3_CODER",
     "Arguments",
     "JsonToolFormat",
     "ToolFormat",
     "XmlToolFormat",
+    "taught_format",
+    "value_types",
 ]
 
 Arguments = dict[str, Any]
+
+HERMES: Final = "hermes"
+QWEN3_CODER: Final = "qwen3_coder"
 
 NOT_A_BLOCK: Final = 0
 """`ToolFormat.block_end`'s answer when the text at the open tag is already known not
@@ -112,7 +121,7 @@ class JsonToolFormat:
     accepted too. Other models wrap the same JSON in other tags: pass them in.
     """
 
-    name: str = "hermes"
+    name: str = HERMES
     open_tag: str = "<tool_call>"
     close_tag: str = "</tool_call>"
 
@@ -199,7 +208,7 @@ class XmlToolFormat:
     a closing tag followed by the next parameter or by ``</function>`` ends it.
     """
 
-    name: str = "qwen3_coder"
+    name: str = QWEN3_CODER
     wrapper_open: str = "<tool_call>"
     wrapper_close: str = "</tool_call>"
 
@@ -307,14 +316,16 @@ def _find_value_end(text: str, start: int) -> int | None:
 
 
 def _typed_arguments(function: _Function, tools: Sequence[Mapping[str, Any]]) -> Arguments:
-    properties = _schema_properties(function.name, tools)
+    root = _parameters_schema(function.name, tools)
+    properties = root.get("properties")
+    properties = properties if isinstance(properties, Mapping) else {}
     return {
-        name: _typed_value(raw.removeprefix("\n").removesuffix("\n"), properties.get(name))
+        name: _typed_value(raw.removeprefix("\n").removesuffix("\n"), properties.get(name), root)
         for name, raw in function.parameters
     }
 
 
-def _schema_properties(name: str, tools: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+def _parameters_schema(name: str, tools: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     for tool in tools:
         if not isinstance(tool, Mapping):
             continue
@@ -323,8 +334,7 @@ def _schema_properties(name: str, tools: Sequence[Mapping[str, Any]]) -> Mapping
         if function.get("name") != name:
             continue
         schema = function.get("parameters")
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        return properties if isinstance(properties, Mapping) else {}
+        return schema if isinstance(schema, Mapping) else {}
     return {}
 
 
@@ -335,25 +345,46 @@ class _NoValue:
 _NO_VALUE: Final = _NoValue()
 
 
-def _schema_types(schema: object) -> list[str]:
-    """The JSON types a property allows, most specific first (a string matches anything)."""
+def value_types(schema: object, root: Mapping[str, Any] | None = None) -> list[str]:
+    """The JSON types a property allows, most specific first (``"string"``, which any
+    text is, last); empty when the schema does not say.
+
+    ``root`` is the tool's parameters schema, where local ``$ref`` s point. The XML call
+    grammar (`butter.chat.grammar`) and the parser type a value by this one answer.
+    """
+    schema = _resolved(schema, root)
     if not isinstance(schema, Mapping):
         return []
     declared = schema.get("type")
     types = [declared] if isinstance(declared, str) else declared
     if not isinstance(types, list):
         options = [*_as_list(schema.get("anyOf")), *_as_list(schema.get("oneOf"))]
+        options = [_resolved(option, root) for option in options]
         types = [option.get("type") for option in options if isinstance(option, Mapping)]
     known = {t for t in types if isinstance(t, str) and t in _CONVERTERS}
     return sorted(known, key=list(_CONVERTERS).index)
+
+
+def _resolved(schema: object, root: Mapping[str, Any] | None) -> object:
+    """``schema``, or what its local ``$ref`` (``#/$defs/Name``) points at."""
+    if not isinstance(schema, Mapping) or not isinstance(schema.get("$ref"), str):
+        return schema
+    ref = schema["$ref"]
+    if not ref.startswith("#/") or root is None:
+        return schema
+    target: object = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        target = target.get(part) if isinstance(target, Mapping) else None
+    return target if isinstance(target, Mapping) else schema
 
 
 def _as_list(value: object) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _typed_value(raw: str, schema: object) -> Any:
-    for type_ in _schema_types(schema):
+def _typed_value(raw: str, schema: object, root: Mapping[str, Any]) -> Any:
+    for type_ in value_types(schema, root):
         value = _CONVERTERS[type_](raw)
         if value is not _NO_VALUE:
             return value
@@ -418,6 +449,22 @@ _CONVERTERS: Final[dict[str, Callable[[str], Any]]] = {
     "array": _to_container(list),
     "string": lambda raw: raw,
 }
+
+def taught_format(template_source: str) -> str:
+    """The name of the call format a chat template teaches: ``"qwen3_coder"`` for a
+    template that writes ``<tool_call>``, ``<function=`` and ``<parameter=`` (Qwen3.5,
+    Qwen3-Coder), else ``"hermes"``.
+
+    The same test as llama.cpp's chat-format detection (``common/chat.cpp``), including
+    its exclusion of templates that write ``<tool_call><function=`` with no newline
+    between the tags: those models are not Qwen3-Coder's.
+    """
+    markers = ("<tool_call>", _FUNCTION, _PARAMETER)
+    if all(marker in template_source for marker in markers) and \
+            "'<tool_call><function=' ~ tool_call.name ~ '>'" not in template_source:
+        return QWEN3_CODER
+    return HERMES
+
 
 BUILTIN_TOOL_FORMATS: Final[tuple[ToolFormat, ...]] = (JsonToolFormat(), XmlToolFormat())
 """Tried in this order when two formats share an open tag."""

@@ -12,7 +12,9 @@ for a mask before each draw of that request (it rides in the fused batch as
 
 A *lazy* constraint (``tool_choice: auto``) leaves the model free until its text holds
 the trigger (the tool-call open tag); from there the call is constrained, as llama.cpp's
-lazy grammars do, and once the call closes the model is free again.
+lazy grammars do, and once the call closes the model is free again. A trigger can wait
+for another text first (``armed_by``): a call opened inside a think block is thinking,
+so under a template that opened one the trigger counts only after ``</think>``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class GrammarSpec:
 
     grammar: str
     trigger: str | None = None
+    armed_by: str | None = None  # the trigger counts only after this text
     what: str = "response_format"  # the field a compile error names
 
 
@@ -89,17 +92,18 @@ class Grammars:
             reason = matcher.get_error().strip().splitlines()[0][:300]
             raise InvalidRequestError(f"`{spec.what}` cannot be enforced: {reason}",
                                       param=spec.what)
-        return Constraint(matcher, tokenizer, trigger=spec.trigger)
+        return Constraint(matcher, tokenizer, trigger=spec.trigger, armed_by=spec.armed_by)
 
 
 class Constraint:
     """One request's matcher; after construction only the engine thread touches it."""
 
     def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer, *,
-                 trigger: str | None) -> None:
+                 trigger: str | None, armed_by: str | None = None) -> None:
         self._matcher = matcher
         self._tokenizer = tokenizer
         self._trigger = trigger
+        self._armed_by = armed_by  # None once it has been seen
         self.active = trigger is None
         self._seen = ""  # free text since the last call, while waiting for the trigger
         self._mask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
@@ -128,6 +132,12 @@ class Constraint:
         if self._trigger is None or self.failed:
             return
         self._seen = (self._seen + text)[-4096:]
+        if self._armed_by is not None:
+            at = self._seen.find(self._armed_by)
+            if at < 0:
+                return
+            self._seen = self._seen[at + len(self._armed_by):]
+            self._armed_by = None
         at = self._seen.find(self._trigger)
         if at < 0:
             return
