@@ -52,6 +52,10 @@ TOOLS = [
             "either": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
         },
     ),
+    {"type": "function", "function": {"name": "locate", "parameters": {
+        "type": "object", "$defs": {"Point": {"type": "object"}, "Unit": {"type": "string"}},
+        "properties": {"at": {"$ref": "#/$defs/Point"}, "unit": {"$ref": "#/$defs/Unit"}},
+    }}},
 ]
 ON = {"tools": TOOLS, "parse_tools": True}
 
@@ -187,6 +191,23 @@ CASES = [
         {**ON, "think_open": True}, id="think-open-call-in-reasoning-stays-there",
     ),
     pytest.param("<think>r</think>", "", [], "r", ON, id="only-think"),
+    pytest.param(
+        # Qwen3.5 as its template prompts it: the answer starts inside the think block.
+        "I should type these.\n</think>\n\n<tool_call>\n<function=typed>\n"
+        "<parameter=count>\n7\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+        "<parameter=flag>\ntrue\n</parameter>\n<parameter=options>\n{\"a\": [1, 2]}\n"
+        "</parameter>\n<parameter=items>\n[\"x\"]\n</parameter>\n<parameter=text>\n"
+        "two\nlines\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n</function>\n"
+        "</tool_call>",
+        "", [("typed", {"count": 7, "ratio": 0.5, "flag": True, "options": {"a": [1, 2]},
+                        "items": ["x"], "text": "two\nlines", "maybe": None})],
+        "I should type these.", {**ON, "think_open": True}, id="think-open-then-typed-xml",
+    ),
+    pytest.param(
+        "<tool_call>\n<function=locate>\n<parameter=at>\n{\"x\": 1}\n</parameter>\n"
+        "<parameter=unit>\n42\n</parameter>\n</function>\n</tool_call>",
+        "", [("locate", {"at": {"x": 1}, "unit": "42"})], "", ON, id="xml-typed-through-refs",
+    ),
 ]
 
 

@@ -72,15 +72,21 @@ class Reply:
 
 class ScriptedBackend:
     """A :class:`~butter.serving.ServeBackend` answering from a script, one reply per
-    request in order. ``requests`` records what each call received."""
+    request in order. ``requests`` records what each call received. ``chat_template``
+    replaces the shipped model's (say Qwen3.5's, to script its call format and its
+    template-opened think block); the text is still cut by SmolLM2's tokenizer.
+    ``enable_thinking`` is ``butter serve --enable-thinking/--no-enable-thinking``."""
 
     model_id = "scripted"
     healthy = True
 
-    def __init__(self, replies: Iterable[Reply | str]) -> None:
+    def __init__(self, replies: Iterable[Reply | str], *,
+                 chat_template: str | None = None,
+                 enable_thinking: bool | None = None) -> None:
         self._replies = [r if isinstance(r, Reply) else Reply(r) for r in replies]
         self.tokenizer = real_tokenizer()
-        self.template = ChatTemplate(self.tokenizer.chat_template)
+        self.template = ChatTemplate(chat_template or self.tokenizer.chat_template)
+        self.enable_thinking = enable_thinking
         self.requests: list[ChatRequest] = []
         self.plans: list[PromptPlan] = []
         self.cancelled = 0
@@ -98,10 +104,10 @@ class ScriptedBackend:
         self.cancelled += 1
 
     async def count_tokens(self, request: ChatRequest) -> int:
-        return len(self.tokenizer.tokenize(build_prompt(request, self.template).text))
+        return len(self.tokenizer.tokenize(self._plan(request).text))
 
     async def generate(self, request: ChatRequest) -> Generation:
-        plan = build_prompt(request, self.template)
+        plan = self._plan(request)
         self.requests.append(request)
         self.plans.append(plan)
         reply = self._replies.pop(0)
@@ -113,6 +119,9 @@ class ScriptedBackend:
             channel.emit(event)
         await generation.admitted()
         return generation
+
+    def _plan(self, request: ChatRequest) -> PromptPlan:
+        return build_prompt(request, self.template, default_thinking=self.enable_thinking)
 
     def _events(self, reply: Reply, request: ChatRequest, prompt_tokens: int) -> list[Any]:
         """What the engine would emit for this reply: the same stop and length rules."""
