@@ -119,3 +119,76 @@ def openai_client(server):
     import openai
 
     return openai.OpenAI(base_url=server.base_url, api_key="anything", max_retries=0, timeout=120)
+
+
+# --- tiny Qwen3.5 checkpoints (tests/support/tiny_qwen35.py), built once per session --------
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_sdist() -> Path:
+    """The pinned llama-cpp-python sdist the tiny Qwen3.5 builds need (vocabulary,
+    template, gguf-py): ``$BUTTER_LLAMA_SDIST``, which scripts/test.sh sets."""
+    from support.tiny_qwen35 import sdist_root
+
+    try:
+        return sdist_root()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_folder(tmp_path_factory, tiny_qwen35_sdist) -> Path:
+    """A tiny random-weight Qwen3.5 as an HF folder (config.json with text_config,
+    model.language_model.* bfloat16 safetensors, tokenizer.json, template)."""
+    from support.tiny_qwen35 import build_hf_folder
+
+    return build_hf_folder(tmp_path_factory.mktemp("tiny-qwen35") / "Qwen3.5-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_moe_folder(tmp_path_factory, tiny_qwen35_sdist) -> Path:
+    """The tiny Qwen3.5-MoE (4 experts, 2 per token, gated shared expert) as an HF folder."""
+    from support.tiny_qwen35 import build_hf_folder
+
+    return build_hf_folder(tmp_path_factory.mktemp("tiny-qwen35-moe") / "Qwen3.5-MoE-tiny",
+                           moe=True)
+
+
+def _tiny_gguf(folder: Path, quant: str, *, moe: bool, source: Path | None = None) -> Path:
+    from support.qwen35_gguf import convert_folder, quantize
+
+    stem = "Qwen3.5-MoE-tiny" if moe else "Qwen3.5-tiny"
+    dest = folder.parent / f"{stem}-{quant}.gguf"
+    if quant == "F16":
+        return convert_folder(folder, dest)
+    return quantize(source, dest, quant)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_gguf(tiny_qwen35_folder) -> Path:
+    """The tiny Qwen3.5 converted to GGUF (F16; norms, SSM and conv tensors F32)."""
+    return _tiny_gguf(tiny_qwen35_folder, "F16", moe=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_gguf_q8(tiny_qwen35_folder, tiny_qwen35_gguf) -> Path:
+    """The tiny Qwen3.5 GGUF quantized to Q8_0 by llama.cpp's llama_model_quantize."""
+    return _tiny_gguf(tiny_qwen35_folder, "Q8_0", moe=False, source=tiny_qwen35_gguf)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_gguf_q4(tiny_qwen35_folder, tiny_qwen35_gguf) -> Path:
+    """The tiny Qwen3.5 GGUF quantized to Q4_0 by llama.cpp's llama_model_quantize."""
+    return _tiny_gguf(tiny_qwen35_folder, "Q4_0", moe=False, source=tiny_qwen35_gguf)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_moe_gguf(tiny_qwen35_moe_folder) -> Path:
+    """The tiny Qwen3.5-MoE converted to GGUF (F16)."""
+    return _tiny_gguf(tiny_qwen35_moe_folder, "F16", moe=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_moe_gguf_q4(tiny_qwen35_moe_folder, tiny_qwen35_moe_gguf) -> Path:
+    """The tiny Qwen3.5-MoE GGUF quantized to Q4_0."""
+    return _tiny_gguf(tiny_qwen35_moe_folder, "Q4_0", moe=True, source=tiny_qwen35_moe_gguf)
