@@ -1,17 +1,17 @@
 """Qwen3.5's tool-call format and its template-opened think block, on the real template.
 
-The chat templates come from the pinned llama-cpp-python sdist (``BUTTER_LLAMA_SDIST``,
-which ``scripts/test.sh`` fills). Which format a template teaches is read from it the way
-llama.cpp's chat-format detection reads it; the grammars are compiled against the shipped
-SmolLM2 vocabulary and fed the text a call is made of; the answers are scripted (a
-random-weight model writes neither thinking nor calls on its own), replayed token by
-token through the real server app, and read with both official SDKs, streamed and not.
+The chat templates come from the pinned llama-cpp-python sdist (the ``tiny_qwen35_sdist``
+fixture: ``BUTTER_LLAMA_SDIST``, which ``scripts/test.sh`` fills). Which format a template
+teaches is read from it the way llama.cpp's chat-format detection reads it; the grammars
+are compiled against the shipped SmolLM2 vocabulary and fed the text a call is made of;
+the answers are scripted (a random-weight model writes neither thinking nor calls on its
+own), replayed token by token through the real server app, and read with both official
+SDKs, streamed and not.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,6 @@ from butter.chat.template import ChatTemplate
 from butter.generation import GenerationParams
 from butter.http.app import create_app
 
-SDIST_ENV = "BUTTER_LLAMA_SDIST"
-SDIST_DEFAULT = Path(__file__).resolve().parents[2] / ".cache" / "llama-sdist" / \
-    "llama_cpp_python-0.3.36"
 MARKUP = ("<tool_call", "</tool_call", "<function=", "</function", "<parameter", "<think",
           "</think")
 
@@ -68,25 +65,15 @@ THOUGHT = "The user wants the weather; I will call the tool."
 THINK_THEN_CALLS = f"{THOUGHT}\n</think>\n\n{CALL}\n{TIME_CALL}"
 
 
-def sdist_templates() -> Path:
-    """The pinned llama.cpp's model templates (``$BUTTER_LLAMA_SDIST``, else the folder
-    ``scripts/test.sh`` fills)."""
-    configured = os.environ.get(SDIST_ENV)
-    folder = (Path(configured) if configured else SDIST_DEFAULT) / "vendor" / "llama.cpp" / \
-        "models" / "templates"
-    if not folder.is_dir():
-        pytest.fail(f"the pinned llama-cpp-python sdist is not unpacked at {folder.parents[3]}; "
-                    f"set {SDIST_ENV} or run scripts/test.sh")
-    return folder
-
-
-def template_source(name: str) -> str:
-    return (sdist_templates() / name).read_text()
+@pytest.fixture(scope="module")
+def templates(tiny_qwen35_sdist: Path) -> Path:
+    """The pinned llama.cpp's model templates."""
+    return tiny_qwen35_sdist / "vendor" / "llama.cpp" / "models" / "templates"
 
 
 @pytest.fixture(scope="module")
-def qwen35() -> str:
-    return template_source("Qwen3.5-4B.jinja")
+def qwen35(templates: Path) -> str:
+    return (templates / "Qwen3.5-4B.jinja").read_text()
 
 
 def chat(messages=ASK, **fields: Any) -> ChatRequest:
@@ -104,8 +91,8 @@ def chat(messages=ASK, **fields: Any) -> ChatRequest:
     ("Qwen-Qwen3-0.6B.jinja", "hermes"),
     ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", "hermes"),
 ])
-def test_format_is_read_from_the_template(name: str, expected: str) -> None:
-    assert ChatTemplate(template_source(name)).tool_format == expected
+def test_format_is_read_from_the_template(templates: Path, name: str, expected: str) -> None:
+    assert ChatTemplate((templates / name).read_text()).tool_format == expected
 
 
 def test_shipped_model_and_templates_without_tools_are_hermes() -> None:
