@@ -40,6 +40,8 @@ class Logged:
     path: str  # the file path in the repository, or the API route
     range: str | None
     status: int
+    at: float = attrs.field(factory=time.monotonic)  # when the answer began
+    ended: float | None = None  # when a file's body was sent (or cut off)
 
 
 @attrs.define
@@ -147,8 +149,10 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return self._file(resolve.group(1), resolve.group(3), head=head)
             self._error(404, "", path, "EntryNotFound")
 
-        def _note(self, repo: str, path: str, status: int) -> None:
-            hub.log.append(Logged(self.command, repo, path, self.headers.get("Range"), status))
+        def _note(self, repo: str, path: str, status: int) -> Logged:
+            entry = Logged(self.command, repo, path, self.headers.get("Range"), status)
+            hub.log.append(entry)
+            return entry
 
         def _error(self, status: int, repo_id: str, path: str, code: str) -> None:
             self._note(repo_id, path, status)
@@ -204,7 +208,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 start = int(wanted.group(1))
                 end = min(size, int(wanted.group(2)) + 1) if wanted.group(2) else size
                 status = 206
-            self._note(repo_id, path, status)
+            entry = self._note(repo_id, path, status)
             self.send_response(status)
             self.send_header("ETag", f'"{repo.etag(path)}"')
             self.send_header("X-Repo-Commit", repo.sha)
@@ -216,7 +220,10 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if head:
                 return
             cut = hub._take_cut(repo_id, path)
-            self._send(repo, path, start, end if cut is None else min(end, start + cut))
+            try:
+                self._send(repo, path, start, end if cut is None else min(end, start + cut))
+            finally:
+                entry.ended = time.monotonic()
             if cut is not None:  # hang up mid-body: the client sees a short read
                 self.close_connection = True
                 self.connection.shutdown(2)

@@ -239,15 +239,17 @@ class RichSink(ByteSink):
         self._task = None
 
     def start(self, hub_id: HubId, files: int, total: int) -> None:
-        self._progress.start()
         noun = "file" if files == 1 else "files"
         self._task = self._progress.add_task(f"{hub_id.text} ({files} {noun})", total=total)
 
     def advance(self, n: int) -> None:
+        if not self._progress.live.is_started:  # from the first byte: a refusal draws no bar
+            self._progress.start()
         self._progress.advance(self._task, n)
 
     def done(self) -> None:
-        self._progress.stop()
+        if self._progress.live.is_started:
+            self._progress.stop()
 
 
 class LogSink(ByteSink):
