@@ -19,6 +19,7 @@ once; ``rate`` throttles every file download (bytes per second).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 import threading
@@ -26,11 +27,12 @@ import time
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 import attrs
 
-CHUNK = 1 << 16
+CHUNK = 1 << 20
 
 
 @attrs.define
@@ -72,13 +74,9 @@ class Repo:
         listing = sorted((path, self.size(path)) for path in self.files)
         return hashlib.sha1(json.dumps(listing).encode()).hexdigest()
 
-    def read(self, path: str, start: int, end: int) -> bytes:
+    def open(self, path: str) -> BinaryIO:
         content = self.files[path]
-        if isinstance(content, bytes):
-            return content[start:end]
-        with content.open("rb") as handle:
-            handle.seek(start)
-            return handle.read(end - start)
+        return content.open("rb") if isinstance(content, Path) else io.BytesIO(content)
 
 
 class FakeHub:
@@ -231,14 +229,16 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         def _send(self, repo: Repo, path: str, start: int, end: int) -> None:
             began = time.monotonic()
             sent = 0
-            while start + sent < end:
-                block = repo.read(path, start + sent, min(end, start + sent + CHUNK))
-                self.wfile.write(block)
-                sent += len(block)
-                if hub.rate:
-                    ahead = sent / hub.rate - (time.monotonic() - began)
-                    if ahead > 0:
-                        time.sleep(ahead)
+            with repo.open(path) as body:
+                body.seek(start)
+                while start + sent < end:
+                    block = body.read(min(CHUNK, end - start - sent))
+                    self.wfile.write(block)
+                    sent += len(block)
+                    if hub.rate:
+                        ahead = sent / hub.rate - (time.monotonic() - began)
+                        if ahead > 0:
+                            time.sleep(ahead)
 
     return Handler
 
