@@ -40,7 +40,7 @@ from butter.errors import (
     ModelNotFoundError,
 )
 from butter.generation import GenerationParams, Usage
-from butter.hub import HubId, parse_hub_id
+from butter.hub import HubId, download, parse_hub_id
 from butter.plugins import Plugins, build_plugins
 from butter.resolve import ResolvedModel
 
@@ -109,9 +109,13 @@ class Model:
     @classmethod
     def load(cls, model_id: str, *, backend: str | None = None, threads: int | None = None,
              plugins: Plugins | None = None) -> Model:
-        """Resolve ``model_id`` (any path, alias or cached hub id), check it and load it."""
+        """Resolve ``model_id`` (any path, alias or hub id), check it and load it. A hub
+        id not cached yet is downloaded first, as ``butter serve --model`` does."""
         loader = ModelLoader(backend=backend, threads=threads, allow_any_path=True,
                              plugins=plugins)
+        target = loader.download_target(model_id, trusted=True)
+        if target is not None:
+            download(target)
         return loader.load(loader.check(loader.find(model_id)))
 
     # ---- engine ------------------------------------------------------------------

@@ -1,0 +1,32 @@
+"""``butter pull ID``: download a hub model into the HF cache without serving it; and the
+download step ``butter serve --model`` runs before loading."""
+
+from __future__ import annotations
+
+import argparse
+
+from butter.cli.common import UsageError, console
+from butter.hub import RichSink, download, parse_hub_id
+from butter.library import ModelLoader
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    """Download ``args.id`` (with a progress bar) unless cached; print its local path."""
+    if parse_hub_id(args.id) is None:
+        raise UsageError("ID", f"{args.id!r} is not a Hugging Face id (owner/repo, "
+                         "owner/repo:QUANT or owner/repo/file.gguf)")
+    loader = ModelLoader()
+    if not fetch_model(loader, args.id):
+        console.print(f"[bold]{args.id}[/bold] is in the cache already", highlight=False)
+    print(loader.find(args.id, trusted=True).path)
+    return 0
+
+
+def fetch_model(loader: ModelLoader, model_id: str) -> bool:
+    """Download ``model_id`` with a progress bar when it is a hub id not cached yet;
+    whether it downloaded. Failures raise a one-line :class:`~butter.errors.ButterError`."""
+    target = loader.download_target(model_id, trusted=True)
+    if target is None:
+        return False
+    download(target, sink=RichSink(console))
+    return True
