@@ -238,7 +238,9 @@ def hf_weights(*, moe: bool, seed: int = SEED) -> dict[str, np.ndarray]:
         if moe:
             experts, inner = cfg["num_experts"], cfg["moe_intermediate_size"]
             shared = cfg["shared_expert_intermediate_size"]
-            weights[mlp + "gate.weight"] = dense(experts, hidden)
+            # A decisive router: near-ties between the second and third expert would let
+            # float16 rounding pick different experts on different back ends.
+            weights[mlp + "gate.weight"] = 4 * dense(experts, hidden)
             weights[mlp + "experts.gate_up_proj"] = rng.normal(
                 0.0, hidden ** -0.5, (experts, 2 * inner, hidden))
             weights[mlp + "experts.down_proj"] = rng.normal(

@@ -169,11 +169,26 @@ def gguf_tokenizer(meta: dict[str, Any], model_id: str) -> tuple[Tokenizer, froz
     return tokenizer, control
 
 
+def text_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A folder's ``config.json`` with the text model's settings at the top level.
+
+    Multimodal checkpoints (Qwen3.5's ``Qwen3_5ForConditionalGeneration``, Gemma 3, ...)
+    nest them under ``text_config``; the top level's own keys (``model_type``,
+    ``architectures``) still win, so the architecture is the checkpoint's.
+    """
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    return {**text, **{key: value for key, value in config.items() if key != "text_config"}}
+
+
 def load_folder(path: Path, model_id: str) -> Checkpoint:
     try:
-        model, config = load_model(path)
+        model, raw_config = load_model(path)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise ModelLoadError(model_id, f"mlx-lm could not build it ({_short(exc)})") from None
+    config = text_settings(raw_config)
+    _float32_experts_on_cpu(model)
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ModelLoadError(model_id, "the folder has no tokenizer.json")
@@ -190,11 +205,39 @@ def load_folder(path: Path, model_id: str) -> Checkpoint:
     bos = _token_id(tokenizer, settings.get("bos_token"))
     eos_setting = config.get("eos_token_id", _token_id(tokenizer, settings.get("eos_token")))
     eos = eos_setting if isinstance(eos_setting, list) else [eos_setting]
+    # generation_config.json names every id a generation ends on (Qwen: <|im_end|> too).
+    generation = _json_file(path / "generation_config.json").get("eos_token_id")
+    eos += generation if isinstance(generation, list) else [generation]
     return Checkpoint(
         model=model, config=config, tokenizer=tokenizer, chat_template=template,
         bos_id=bos, eos_ids=frozenset(int(t) for t in eos if t is not None),
         add_bos=bool(settings.get("add_bos_token", False)), control_ids=control,
     )
+
+
+def _float32_experts_on_cpu(model: nn.Module) -> None:
+    """MLX's CPU ``gather_mm`` multiplies float32 only, so a mixture-of-experts model
+    with unquantized bfloat16 or float16 experts (an HF Qwen3.5-MoE, say) cannot run a
+    step on CPU. Such a model runs in float32 there: all of it, so activations, caches
+    and the bytes admission counts keep one dtype. Quantized experts (``gather_qmm``)
+    keep their dtype."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return
+    if any(isinstance(module, SwitchLinear) and module.weight.dtype != mx.float32
+           for _, module in model.named_modules()):
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A JSON object file, or ``{}`` when it is absent or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _token_id(tokenizer: Tokenizer, token: Any) -> int | None:

@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from tokenizers import Tokenizer
 
 from butter.backend import KVSpec, ModelInfo
@@ -53,6 +53,9 @@ class MLXModel:
         self._pieces: dict[int, bytes] = {}
         caches = make_prompt_cache(self.network)
         self.cache_kinds = {type(c).__name__ for c in caches}
+        # Layers that keep keys and values per token; a hybrid's recurrent layers
+        # (ArraysCache: Gated DeltaNet, short convolutions) keep a fixed-size state instead.
+        self._kv_layers = sum(1 for c in caches if not isinstance(c, ArraysCache))
         attention_only = all(type(c) is KVCache for c in caches)
         windowed = any(isinstance(c, RotatingKVCache) for c in caches)
         self.info = ModelInfo(
@@ -96,12 +99,12 @@ class MLXModel:
         return token in self._end
 
     def kv_shape(self) -> tuple[int, int, int]:
-        """Layers, key/value heads and head dimension of one token's cache."""
+        """Layers that cache keys and values, their key/value heads and head dimension."""
         config = self.config
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
         kv_heads = int(config.get("num_key_value_heads") or heads)
-        return int(config["num_hidden_layers"]), kv_heads, head_dim
+        return self._kv_layers, kv_heads, head_dim
 
     def kv_token_bytes(self) -> int:
         """Bytes one token's keys and values take across every layer (raw, in the

@@ -1,0 +1,115 @@
+"""The MLX back end on the tiny Qwen3.5 and Qwen3.5-MoE: the HF folder as Qwen ships it
+(settings under ``text_config``, weights under ``model.language_model``) loads through
+mlx-lm's own loader and answers through a real server; a Qwen3.5 GGUF is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from butter.library import Model
+
+IM_END, ENDOFTEXT = 151645, 151643
+PROMPT = [151644, 872, 198, 9707, 1879, 374, 264, 1273, 13, 151645, 198, 151644, 77091, 198]
+
+
+def _mlx_logits(folder: Path) -> np.ndarray:
+    """mlx-lm's own model on the folder, in float32, over PROMPT."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    network, _ = load_model(folder)
+    network.set_dtype(mx.float32)
+    return np.array(network(mx.array([PROMPT]))[0])
+
+
+def _llama_logits(gguf: Path) -> np.ndarray:
+    import llama_cpp
+
+    model = llama_cpp.Llama(str(gguf), n_ctx=256, logits_all=True, verbose=False)
+    model.eval(PROMPT)
+    return np.array(model.scores[:len(PROMPT)])
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_the_gguf_computes_what_the_folder_computes(request, moe):
+    """The conversion is right: llama.cpp on the F16 GGUF and mlx-lm on the HF folder give
+    the same next-token distributions (value-head order, -exp(A_log), +1 norms, experts)."""
+    kind = "tiny_qwen35_moe" if moe else "tiny_qwen35"
+    folder = request.getfixturevalue(f"{kind}_folder")
+    gguf = request.getfixturevalue(f"{kind}_gguf")
+    ours, theirs = _mlx_logits(folder), _llama_logits(gguf)
+    for position, (a, b) in enumerate(zip(ours, theirs)):
+        assert np.corrcoef(a, b)[0, 1] > 0.998, position
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(ours, theirs))
+    assert agree >= len(PROMPT) - 1
+
+
+def test_the_folder_loads_with_its_nested_settings(tiny_qwen35_folder):
+    with Model.load(str(tiny_qwen35_folder), backend="mlx") as model:
+        info = model.info
+        assert info.architecture == "qwen3_5"
+        assert info.n_ctx_train == 262144 and info.n_vocab == 151936
+        assert not info.can_rewind and not info.fusable  # Gated DeltaNet state
+        native = model.engine._runtime._model
+        assert native.kv_shape() == (1, 2, 32)  # only the full-attention layer caches KV
+        assert native.is_end_of_generation(IM_END) and native.is_end_of_generation(ENDOFTEXT)
+        assert not native.is_end_of_generation(151667)  # <think>
+        assert native.tokenize("<think>", add_special=False, parse_special=True) == [151667]
+        answer = model.generate([{"role": "user", "content": "Hi"}], max_tokens=5,
+                                temperature=0, ignore_eos=True)
+        assert answer.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen35", "tiny_qwen35_moe"], ids=["dense", "moe"])
+def test_a_server_answers_chat_on_the_folder(request, kind):
+    """Two clients at once, one streaming, through ``butter serve --backend mlx``."""
+    import openai
+    from conftest import ServerProcess
+
+    folder = request.getfixturevalue(f"{kind}_folder")
+    server = ServerProcess("--backend", "mlx", "--parallel", "2", model=str(folder),
+                           timeout=180)
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0,
+                               timeout=120)
+        served = server.models()[0]
+        assert served["butter"]["backend"] == "mlx"
+        messages = [{"role": "user", "content": "Say hello."}]
+
+        def plain():
+            return client.chat.completions.create(model=served["id"], messages=messages,
+                                                  max_tokens=6, temperature=0)
+
+        def streamed():
+            return list(client.chat.completions.create(
+                model=served["id"], messages=messages, max_tokens=6, temperature=0,
+                stream=True, stream_options={"include_usage": True}))
+
+        with ThreadPoolExecutor(2) as pool:
+            reply, chunks = (f.result() for f in (pool.submit(plain), pool.submit(streamed)))
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 6
+        assert reply.usage.prompt_tokens > 5
+        assert reply.usage.total_tokens == reply.usage.prompt_tokens + 6
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 6
+        assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+    finally:
+        server.stop()
+
+
+def test_a_qwen35_gguf_on_mlx_is_refused_with_the_reason(tiny_qwen35_gguf):
+    done = subprocess.run(
+        [sys.executable, "-m", "butter", "serve", "--backend", "mlx", "--model",
+         str(tiny_qwen35_gguf), "--port", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "qwen35" in done.stderr and "--backend gguf" in done.stderr
