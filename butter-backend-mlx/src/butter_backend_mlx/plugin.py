@@ -113,7 +113,10 @@ def _check_folder(resolved: ResolvedModel) -> CheckpointFacts:
         raise ModelLoadError(resolved.model_id, "its config.json names no model_type")
     if not (resolved.path / "tokenizer.json").is_file():
         raise ModelLoadError(resolved.model_id, "the folder has no tokenizer.json")
-    context = config.get("max_position_embeddings")
+    # A multimodal checkpoint (Qwen3.5) keeps the text model's settings under text_config.
+    text = config.get("text_config")
+    context = config.get("max_position_embeddings",
+                         text.get("max_position_embeddings") if isinstance(text, dict) else None)
     return CheckpointFacts(architecture=config["model_type"],
                            context_length=context if isinstance(context, int) else None)
 
