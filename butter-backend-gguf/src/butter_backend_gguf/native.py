@@ -31,6 +31,7 @@ from butter.kvcodec import KVCodec
 from butter.resolve import ResolvedModel
 from butter.sampling import apply_mask, token_logprob
 from butter_backend_gguf.kvtypes import RAW_TYPES, CacheTypes, cache_types, describe_mapping
+from butter_backend_gguf.recurrent import StateSnapshots
 
 log = logging.getLogger("butter.gguf")
 
@@ -104,6 +105,9 @@ class GGUFModel:
         self._vocab = ll.llama_model_get_vocab(handle)
         self.threads = threads
         self._pieces: dict[int, bytes] = {}
+        # Recurrent state (Gated DeltaNet, Mamba) that runtimes keep snapshots of.
+        self.recurrent_state = bool(ll.llama_model_is_recurrent(handle)
+                                    or ll.llama_model_is_hybrid(handle))
         self.info = self._read_info()
 
     def _meta(self, key: str) -> str | None:
@@ -129,7 +133,6 @@ class GGUFModel:
         # llama.cpp reuses a sliding-window cell once it leaves its sequence's window, so
         # a cache cut short (or shared) may miss positions the window still needs.
         sliding = int(ll.llama_model_n_swa(self._handle)) > 0
-        experts = int(self._meta(f"{arch}.expert_count") or 0)
         desc = ctypes.create_string_buffer(128)
         ll.llama_model_desc(self._handle, desc, len(desc))
         return ModelInfo(
@@ -140,7 +143,9 @@ class GGUFModel:
             eos_token=self._token_text(ll.llama_vocab_eos(self._vocab)),
             add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
             can_rewind=not (recurrent or hybrid or sliding),
-            fusable=not (recurrent or hybrid or experts > 0),
+            # Every session's prompt pieces run alone and one-token rows share a pass
+            # (``GGUFRuntime.step``), for hybrid and mixture-of-experts models too.
+            fusable=True,
             description=desc.value.decode("utf-8", errors="replace"),
             control_tokens=self._control_tokens(),
             n_vocab=int(ll.llama_vocab_n_tokens(self._vocab)),
@@ -361,7 +366,10 @@ class GGUFRuntime:
     request may use it all; forks alias cells for free. Cells end up out of position
     order once the cache has holes, which makes answers depend on co-runners.
 
-    Recurrent, hybrid and sliding-window models neither fork nor cut.
+    Recurrent and hybrid models read prompts in pieces ending at multiples of
+    ``SNAPSHOT_EVERY`` and keep snapshots of their recurrent state there
+    (:mod:`~butter_backend_gguf.recurrent`): they cut and fork back to a snapshot.
+    Sliding-window models neither fork nor cut.
     """
 
     def __init__(self, model: GGUFModel, *, kv: KVSpec, capacity: int, n_sessions: int,
@@ -432,18 +440,47 @@ class GGUFRuntime:
         truncate = TruncateKind.ANYWHERE if rewinds else TruncateKind.NEVER
         if kv.window is not None:
             truncate = TruncateKind.UNTIL_WRAP
-        self.kv = KVFacts(budget_bytes=total * token_bytes, token_bytes=token_bytes,
+        self._snapshots: StateSnapshots | None = None
+        snapshot = {}
+        if model.recurrent_state:
+            token_bytes, snapshot = self._start_snapshots(n_sessions)
+            fork = ForkKind.COPY if self.per_session else ForkKind.ALIAS
+            truncate = TruncateKind.SNAPSHOTS
+        self.kv = KVFacts(budget_bytes=total * token_bytes + n_sessions * snapshot.get(
+                              "snapshots", 0) * snapshot.get("snapshot_bytes", 0),
+                          token_bytes=token_bytes,
                           max_positions=kv.window or per_stream, fork=fork, truncate=truncate,
-                          window=kv.window, per_session=self.per_session)
+                          window=kv.window, per_session=self.per_session, **snapshot)
+
+    def _start_snapshots(self, n_sessions: int) -> tuple[int, dict[str, int]]:
+        """Keep snapshots of the recurrent state. Measured on two tokens fed to session 0
+        (then dropped), whatever the architecture keeps: the bytes of one snapshot, and
+        of one token's keys and values (only some layers of a hybrid attend)."""
+        snapshots = StateSnapshots(self._ctx, self._memory, n_sessions)
+        sizes = []
+        for position in (0, 1):
+            builder = self._builder
+            builder.clear()
+            builder.add(0, [0], position, False)
+            if ll.llama_decode(self._ctx, builder.batch) != 0:
+                raise StepFailedError("llama_decode failed measuring the recurrent state")
+            sizes.append(int(ll.llama_state_seq_get_size_ext(self._ctx, 0, 0)))
+        size = snapshots.measure(0)
+        ll.llama_memory_seq_rm(self._memory, 0, 0, -1)
+        self._snapshots = snapshots
+        return max(sizes[1] - sizes[0], 1), {"snapshot_bytes": size,
+                                              "snapshots": snapshots.limit,
+                                              "snapshot_every": snapshots.every}
 
     def step(self, work: Sequence[Work]) -> list[int | None]:
         if self.window is not None:
             for item in work:
                 self._shift(item.session, len(item.tokens))
-        if not self.per_session:
+        if not self.per_session and self._snapshots is None:
             return self._decode(work, [(item, item.tokens, item.sampler is not None)
                                        for item in work])
-        # Per-session: each chunk alone, a final chunk's last token with the rows.
+        # Per-session (and recurrent state): each chunk alone, a final chunk's last token
+        # with the rows.
         before = {item.session: self._lengths[item.session] for item in work}
         results: list[int | None] = [None] * len(work)
         rows: list[int] = []
@@ -542,13 +579,31 @@ class GGUFRuntime:
         done = 0
         while done < len(body):
             start = self._lengths[session]
-            if start < ROW_BY_ROW_BELOW:
+            if self._snapshots is not None:
+                piece = body[done:done + self._recurrent_piece(item, body[done:])]
+            elif start < ROW_BY_ROW_BELOW:
                 piece = body[done:done + min(FA_ROW_BY_ROW_MAX_ROWS, ROW_BY_ROW_BELOW - start)]
                 self._decode([item], [(item, piece, False)])
             else:
                 piece = body[done:]
                 self._tiled(item, piece)
             done += len(piece)
+
+    def _recurrent_piece(self, item: Work, rest: Sequence[int]) -> int:
+        """Feed ``rest``'s tokens up to the next multiple of the snapshot spacing, row by
+        row (no filler: filler rows would enter the recurrent state), and keep a snapshot
+        if the piece ends there. The pieces, and so the snapshots and every attention
+        path, fall where the absolute positions say: a prompt resumed from a snapshot is
+        read exactly as it was read whole. Return how many tokens were fed."""
+        session, snapshots = item.session, self._snapshots
+        start = self._lengths[session]
+        every = snapshots.every
+        piece = rest[:min((start // every + 1) * every - start, FA_ROW_BY_ROW_MAX_ROWS)]
+        self._decode([item], [(item, piece, False)])
+        end = start + len(piece)
+        if end % every == 0:
+            snapshots.take(session, end)
+        return len(piece)
 
     def _tiled(self, item: Work, piece: Sequence[int]) -> None:
         session = item.session
@@ -567,14 +622,30 @@ class GGUFRuntime:
     def truncate(self, session: int, keep: int) -> bool:
         if keep >= self._lengths[session]:
             return True
-        if not ll.llama_memory_seq_rm(self._memory, session, keep, -1):
+        snapshots = self._snapshots
+        if snapshots is not None and keep > 0:
+            if not snapshots.restore(session, keep):
+                return False
+        elif not ll.llama_memory_seq_rm(self._memory, session, keep, -1):
             return False
+        elif snapshots is not None:
+            snapshots.forget(session)
         self._lengths[session] = keep
         return True
+
+    def reachable(self, session: int, keep: int) -> int:
+        length = self._lengths[session]
+        if keep >= length:
+            return length
+        if self._snapshots is not None:
+            return self._snapshots.last_at_or_below(session, keep)
+        return keep if self.kv.can_truncate(length, keep) else 0
 
     def fork(self, source: int, target: int, length: int) -> bool:
         if self.kv.fork is ForkKind.NONE or length > self._lengths[source] or source == target:
             return False
+        if self._snapshots is not None:
+            return self._fork_state(source, target, length)
         ll.llama_memory_seq_rm(self._memory, target, 0, -1)
         if self.per_session:
             # Streams copy whole (llama.cpp copies the buffer at the next decode); the
@@ -587,11 +658,38 @@ class GGUFRuntime:
         self._lengths[target] = length
         return True
 
+    def _fork_state(self, source: int, target: int, length: int) -> bool:
+        """A fork of a model with recurrent state: the attention keys and values as any
+        fork's, the recurrent state from ``source``'s snapshot at ``length`` (or a copy of
+        its state now, for its whole length)."""
+        snapshots = self._snapshots
+        whole = length == self._lengths[source]
+        if not whole and snapshots.last_at_or_below(source, length) != length:
+            return False
+        data = snapshots.copy(source) if whole else None
+        ll.llama_memory_seq_rm(self._memory, target, 0, -1)
+        snapshots.forget(target)
+        self._lengths[target] = 0
+        # Per-session streams copy whole, a unified cache aliases cells; either way the
+        # target's recurrent state is then replaced by a copy of its own.
+        ll.llama_memory_seq_cp(self._memory, source, target, -1, -1) if self.per_session \
+            else ll.llama_memory_seq_cp(self._memory, source, target, 0, length)
+        done = snapshots.put(target, data, length) and snapshots.share(source, target, length) \
+            if whole else snapshots.install(source, target, length)
+        if not done:
+            ll.llama_memory_seq_rm(self._memory, target, 0, -1)
+            snapshots.forget(target)
+            return False
+        self._lengths[target] = length
+        return True
+
     def describe(self) -> dict[str, object]:
         return {"micro_batch": self.micro_batch, "threads": self.threads,
                 "kv_layout": self.layout, "session_cells": self._stream_cells,
                 "kv_cache": self.codec.name, "kv_cache_types": str(self.cache_types),
-                "kv_window": self.window, "kv_window_keep": self.window_keep}
+                "kv_window": self.window, "kv_window_keep": self.window_keep,
+                "state_snapshots": self._snapshots.limit if self._snapshots else 0,
+                "state_snapshot_every": self._snapshots.every if self._snapshots else None}
 
     def close(self) -> None:
         self._builder.close()

@@ -89,6 +89,9 @@ class TruncateKind(enum.Enum):
     ANYWHERE = "anywhere"
     UNTIL_WRAP = "until_wrap"  # a windowed cache, until it has wrapped
     NEVER = "never"  # recurrent state: only dropping the whole session works
+    # Recurrent state restored from a snapshot: only back to where the runtime kept one
+    # (``Runtime.reachable`` says where); attention keys and values are cut there.
+    SNAPSHOTS = "snapshots"
 
 
 @attrs.frozen
@@ -122,11 +125,18 @@ class KVFacts:
     # Each session owns ``max_positions`` cells no other may use (a KV stream per
     # session): admission never evicts one session's cache to make room for another.
     per_session: bool = False
+    # Recurrent state (hybrid models): a session keeps up to ``snapshots`` copies of it,
+    # ``snapshot_bytes`` each, one per ``snapshot_every`` tokens fed at most.
+    snapshot_bytes: int = 0
+    snapshots: int = 0
+    snapshot_every: int = 1
 
     def cost(self, tokens: int) -> int:
-        """Bytes a session holding ``tokens`` tokens takes."""
+        """Bytes a session holding ``tokens`` tokens takes, its state snapshots included."""
         held = min(tokens, self.window) if self.window else tokens
-        return -(-held // self.granule) * self.granule * self.token_bytes
+        kept = min(self.snapshots, tokens // max(self.snapshot_every, 1))
+        return -(-held // self.granule) * self.granule * self.token_bytes \
+            + kept * self.snapshot_bytes
 
     @property
     def capacity(self) -> int:
@@ -145,6 +155,7 @@ class KVFacts:
             return True
         if self.truncate is TruncateKind.ANYWHERE:
             return True
+        # SNAPSHOTS: only the runtime knows where it kept one (``Runtime.reachable``).
         return self.truncate is TruncateKind.UNTIL_WRAP and self.window is not None \
             and length <= self.window
 
@@ -198,6 +209,11 @@ class Runtime(Protocol):
     def truncate(self, session: int, keep: int) -> bool:
         """Keep the first ``keep`` tokens of ``session``; False (and nothing dropped) if
         it cannot rewind there (see ``kv.truncate``). ``keep=0`` always works."""
+
+    def reachable(self, session: int, keep: int) -> int:
+        """The longest prefix of at most ``keep`` tokens ``session`` can be cut back to or
+        forked at: ``keep`` itself where the cache cuts anywhere or holds exactly ``keep``
+        tokens, the last state snapshot at or below it for recurrent state, else 0."""
 
     def fork(self, source: int, target: int, length: int) -> bool:
         """Make ``target`` hold the first ``length`` tokens of ``source``.

@@ -14,6 +14,8 @@ quantized or windowed cache admits more, and a copied fork costs what it copies:
 
 With a KV window the prompt must fit the window and the answer may run past it (the
 runtime drops old positions); a session whose window shifted is never reused or forked.
+Recurrent state (hybrid models) is reused up to the last snapshot the runtime kept
+inside the shared prefix (``Runtime.reachable``); ``kv.cost`` counts the snapshots.
 
 Default completion budget when the client sends no ``max_tokens``: the request's
 share of the cache (``capacity // parallel``, as llama-server splits its context
@@ -23,9 +25,9 @@ never more than what one session can hold next to the prompt.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from butter.backend import KVFacts
+from butter.backend import KVFacts, TruncateKind
 from butter.engine.records import Request, Session
 from butter.errors import ContextLengthExceededError
 
@@ -41,9 +43,24 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Admission:
-    def __init__(self, kv: KVFacts, parallel: int) -> None:
+    def __init__(self, kv: KVFacts, parallel: int,
+                 reachable: Callable[[int, int], int] | None = None) -> None:
         self.kv = kv
         self.parallel = parallel
+        # The runtime's ``reachable(seq_id, keep)``: where a snapshot lets it cut.
+        self._reachable = reachable
+
+    def reachable(self, session: Session, keep: int) -> int:
+        """The longest prefix of at most ``keep`` of ``session``'s tokens it can be cut
+        back to (or forked at); 0 if none."""
+        length = len(session.tokens)
+        if self.kv.wrapped(length):
+            return 0
+        if keep >= length:
+            return length
+        if self.kv.truncate is TruncateKind.SNAPSHOTS and self._reachable is not None:
+            return self._reachable(session.seq_id, keep)
+        return keep if self.kv.can_truncate(length, keep) else 0
 
     @property
     def capacity(self) -> int:
@@ -84,16 +101,15 @@ class Admission:
 
         At least one prompt token is always left to prefill, so the last position
         produces fresh logits. A cache that cannot be cut where the prompt departs
-        from it (recurrent state, a wrapped window) is reusable only whole.
+        from it (a wrapped window) is reusable only whole; recurrent state back to its
+        last snapshot inside the shared prefix.
         """
         best: Session | None = None
         best_reuse = -1
         order = (lambda s: s.seq_id) if self.kv.per_session else (lambda s: s.last_used)
         for session in sorted(idle, key=order):
-            reuse = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-            if not self.kv.can_truncate(len(session.tokens), reuse) \
-                    or self.kv.wrapped(len(session.tokens)):
-                reuse = 0
+            reuse = self.reachable(
+                session, min(common_prefix(session.tokens, prompt), len(prompt) - 1))
             if reuse > best_reuse:
                 best, best_reuse = session, reuse
         return best, max(best_reuse, 0)
@@ -105,7 +121,8 @@ class Admission:
 
         Returns (None, 0) unless it beats ``better_than`` (what the leased session
         already holds). Like :meth:`pick_session`, leaves one prompt token to prefill;
-        a session whose window shifted holds no prefix to give.
+        a session whose window shifted holds no prefix to give, recurrent state only
+        what a snapshot (or its whole length) holds.
         """
         best: Session | None = None
         best_shared = better_than
@@ -113,6 +130,8 @@ class Admission:
             if self.kv.wrapped(len(session.tokens)):
                 continue
             shared = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
+            if self.kv.truncate is TruncateKind.SNAPSHOTS:
+                shared = self.reachable(session, shared)
             if shared > best_shared:
                 best, best_shared = session, shared
         return (best, best_shared) if best is not None else (None, 0)

@@ -155,7 +155,8 @@ class Engine:
                 options=self.config.options,
             )
             self._sessions = [Session(seq_id=i) for i in range(self._runtime.n_sessions)]
-            self._admission = Admission(self._runtime.kv, self.config.parallel)
+            self._admission = Admission(self._runtime.kv, self.config.parallel,
+                                        getattr(self._runtime, "reachable", None))
             self._planner = Planner(max_batch=self._runtime.max_batch,
                                     prefill_chunk=self.config.prefill_chunk, mask=self._mask)
             self.metrics.sessions_total = len(self._sessions)
