@@ -61,7 +61,8 @@ def test_models_dir_names_are_swappable_and_nothing_else(start_server, models_di
     for model_id in ("copy.gguf", "folder", str(models_dir / "copy.gguf")):
         response = chat(server, model_id)
         assert response.status_code == 200, (model_id, response.text)
-        assert response.json()["model"] == model_id
+        served = response.json()["model"]
+        assert served == model_id if "/" not in model_id else served == "copy"  # no path
     for model_id in ("../outside.gguf", "folder/../../x", str(tmp_path), "/tmp"):
         assert chat(server, model_id).status_code == 404, model_id
     assert chat(server, "smollm2").status_code == 200
@@ -120,3 +121,28 @@ def test_the_resolver_treats_a_path_it_may_not_read_as_unknown(monkeypatch):
     assert isinstance(resolve_model("smollm2"), ResolvedModel)
     monkeypatch.setattr(Path, "is_file", denied)
     assert resolve_model("/root/secret/model.gguf") is None
+
+
+def test_models_lists_a_path_by_its_stem_and_requests_naming_the_path_reach_it(
+        start_server, tmp_path, model_path):
+    served = tmp_path / "secret-dir" / "mine.gguf"
+    served.parent.mkdir()
+    shutil.copyfile(model_path, served)
+    server = start_server(model=str(served))
+    listing = httpx.get(f"{server.base_url}/models").json()
+    assert [card["id"] for card in listing["data"]] == ["mine"]
+    assert "secret-dir" not in json.dumps(listing)
+    for model_id in ("mine", str(served)):
+        response = chat(server, model_id)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "mine"
+    assert "swap requested" not in server.log_text()
+
+
+def test_alias_names_the_served_model(start_server):
+    server = start_server("--alias", "house-model")
+    assert httpx.get(f"{server.base_url}/models").json()["data"][0]["id"] == "house-model"
+    for model_id in ("house-model", "smollm2"):
+        response = chat(server, model_id)
+        assert response.status_code == 200, response.text
+    assert "swap requested" not in server.log_text()

@@ -31,7 +31,7 @@ def gguf_answers():
     which sums in another order; the third answer's 4th token is a near-tie between the two
     llama.cpp paths ("a" plain, "often" tiled), so the reference is the plain one."""
     with Model.load("smollm2", backend="gguf") as model:
-        model.start_engine(model.engine_config(capacity=8192, kv_layout="shared"))
+        model.start_engine(model.engine_config(capacity=8192, options={"kv_layout": "shared"}))
         return [model.generate(q, max_tokens=FIRST, temperature=0, ignore_eos=True).text
                 for q in QUESTIONS]
 

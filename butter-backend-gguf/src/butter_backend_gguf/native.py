@@ -32,13 +32,19 @@ from butter.resolve import ResolvedModel
 from butter.sampling import apply_mask, token_logprob
 from butter_backend_gguf.kvtypes import RAW_TYPES, CacheTypes, cache_types, describe_mapping
 from butter_backend_gguf.recurrent import StateSnapshots
+from butter_backend_gguf.settings import (
+    CONTEXT_GRANULE,
+    DEFAULT_LAYOUT,
+    FA_ROW_BY_ROW_MAX_ROWS,
+    LAYOUTS,
+    OPTION_NAMES,
+    PER_SESSION_MICRO_BATCH,
+)
 
 log = logging.getLogger("butter.gguf")
 
 # llama_decode return codes (llama.h).
 DECODE_OUTCOMES = {1: "no KV slot for the batch", 2: "aborted", -1: "invalid batch"}
-# ggml-cpu's flash attention is tiled from GGML_FA_TILE_Q (64) query rows up.
-FA_ROW_BY_ROW_MAX_ROWS = 63
 PENALTY_WINDOW = 4096  # generated tokens the penalties remember
 # ggml_log_level (ggml.h).
 LOG_WARN, LOG_ERROR = 3, 4
@@ -315,10 +321,6 @@ class BatchBuilder:
             self.batch = None
 
 
-OPTIONS = frozenset({"micro_batch", "kv_layout"})
-LAYOUTS = ("per-session", "shared")
-DEFAULT_LAYOUT = "per-session"
-PER_SESSION_MICRO_BATCH = 512
 # ggml-cpu's flash attention splits a lone row's keys across threads from 512 cells on;
 # llama.cpp reads a stream's cells in multiples of 256, so 256 filled cells stay below.
 SPLIT_KV_FREE_CELLS = 256
@@ -327,7 +329,6 @@ SPLIT_KV_FREE_CELLS = 256
 # row needs no filler; further on, the tiled path attends faster.
 ROW_BY_ROW_BELOW = 256
 TILED_MIN_ROWS = FA_ROW_BY_ROW_MAX_ROWS + 1  # ggml-cpu flash attention tiles from 64 rows
-CONTEXT_GRANULE = 256  # llama.cpp pads a stream's cells to this
 
 
 _MAPPINGS_LOGGED: set[str] = set()
@@ -374,7 +375,7 @@ class GGUFRuntime:
 
     def __init__(self, model: GGUFModel, *, kv: KVSpec, capacity: int, n_sessions: int,
                  max_batch: int, options: Mapping[str, object]) -> None:
-        unknown = set(options) - OPTIONS
+        unknown = set(options) - OPTION_NAMES
         if unknown:
             raise InvalidRequestError(f"The GGUF back end has no option {sorted(unknown)}.")
         self.window, self.window_keep = kv.window, kv.keep

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 
-from butter.backend import CheckpointFacts
+from butter.backend import CheckpointFacts, SessionLayout
 from butter.gguf import read_header
 from butter.hookspecs import hookimpl
 from butter.kvcodec import KVCodec
 from butter.resolve import ResolvedModel
+from butter_backend_gguf import settings
 
 
 class GGUFBackend:
     name = "gguf"
     priority = 10
-    options = frozenset({"micro_batch", "kv_layout"})
+    options = settings.OPTIONS
+    limits = settings.LIMITS
     takes_threads = True
     kv_windows = True  # llama.cpp's context shift
     decode_paths = frozenset({"compressed"})  # llama.cpp attends on its cache as stored
+
+    def session_layout(self, options: Mapping[str, object], parallel: int) -> SessionLayout:
+        return settings.session_layout(options, parallel)
 
     def unavailable(self) -> str | None:
         if importlib.util.find_spec("llama_cpp") is None:

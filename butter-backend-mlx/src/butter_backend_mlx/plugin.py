@@ -6,13 +6,15 @@ import importlib.util
 import json
 import platform
 import sys
+from collections.abc import Mapping
 
-from butter.backend import CheckpointFacts
+from butter.backend import CheckpointFacts, SessionLayout
 from butter.errors import ModelLoadError
 from butter.gguf import read_header
 from butter.hookspecs import hookimpl
 from butter.kvcodec import KVCodec
 from butter.resolve import ResolvedModel
+from butter_backend_mlx import settings
 
 # ggml types mx.load reads: F32, F16, Q4_0, Q4_1, Q8_0, BF16.
 GGUF_TYPES = frozenset({0, 1, 2, 3, 8, 30})
@@ -28,15 +30,20 @@ class MLXBackend:
     """HF / MLX folders through mlx-lm's model classes, and GGUF through ``mx.load``."""
 
     name = "mlx"
-    options = frozenset({"prefill_step"})
+    options = settings.OPTIONS
+    limits = settings.LIMITS
     takes_threads = False
-    decode_paths = frozenset({"compressed", "dequant-mirror"})
+    decode_paths = settings.DECODE_PATHS
     kv_windows = True  # a window with kept first tokens in the codec cache (kvcache.py)
 
     @property
     def priority(self) -> int:
         """The platform default: MLX on Apple Silicon, GGUF (priority 10) elsewhere."""
         return 5 if apple_silicon() else 20
+
+    def session_layout(self, options: Mapping[str, object], parallel: int) -> SessionLayout:
+        """Sessions keep their own mlx-lm caches; the engine keeps two spare ones."""
+        return SessionLayout()
 
     def unavailable(self) -> str | None:
         missing = [name for name in ("mlx", "mlx_lm", "tokenizers") if not _installed(name)]

@@ -34,6 +34,7 @@ from butter.errors import InvalidRequestError
 from butter.kvcodec import RAW, KVCodec
 from butter.sampling import allowed_tokens, token_logprob
 from butter_backend_mlx.kvcache import CodecKVCache, install_attention, unsupported
+from butter_backend_mlx.settings import CPU_PREFILL_STEP, DECODE_PATHS, OPTION_NAMES
 
 if TYPE_CHECKING:
     from butter_backend_mlx.model import MLXModel
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("butter.mlx")
 
 GRANULE = KVCache.step  # mlx-lm grows a cache 256 positions at a time
-OPTIONS = frozenset({"prefill_step"})
-DECODE_PATHS = frozenset({"compressed", "dequant-mirror"})
-# Reference-BLAS CPUs prefill a few tokens a second: short passes keep cancellation
-# prompt. A GPU prefills long chunks at once.
-CPU_PREFILL_STEP = 32
 
 
 # mlx-lm architectures whose logits are exactly the output head applied to
@@ -166,7 +162,7 @@ class MLXRuntime:
 
     def __init__(self, model: MLXModel, *, kv: KVSpec, capacity: int, n_sessions: int,
                  max_batch: int, options: Mapping[str, object]) -> None:
-        unknown = set(options) - OPTIONS
+        unknown = set(options) - OPTION_NAMES
         if unknown:
             raise InvalidRequestError(f"The MLX back end has no option {sorted(unknown)}.")
         if kv.window is not None:

@@ -11,11 +11,12 @@ runs model passes and little else), so it may only read the vocabulary.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
+from butter.errors import InvalidRequestError
 from butter.kvcodec import RAW, KVCodec
 
 if TYPE_CHECKING:
@@ -255,13 +256,49 @@ class CheckpointFacts:
     context_length: int | None = None  # trained context, if the checkpoint says
 
 
+@attrs.frozen
+class BackendOption:
+    """A setting a back end owns: ``butter serve`` shows it as ``flag`` under the back
+    end's name, checks it before anything loads, and ``create_runtime`` receives it as
+    ``options[name]``; unset, it is absent and the back end uses ``default``."""
+
+    name: str  # the key in ``create_runtime(options=...)``
+    flag: str  # the ``butter serve`` flag, e.g. ``--ubatch-size``
+    help: str
+    parse: Callable[[str], object] = str  # text to value; raise ValueError to refuse
+    choices: tuple[str, ...] = ()
+    default: object = None  # what the back end uses when the option is unset (for --help)
+    check: Callable[[object], str | None] = lambda value: None  # why a value cannot work
+
+
+@attrs.frozen
+class SessionLayout:
+    """How a back end lays out sessions for ``parallel`` active ones and its options."""
+
+    n_sessions: int = 0  # sessions the runtime holds; 0: the engine's (parallel + 2)
+    streams: int = 1  # the KV budget splits into this many equal, private shares
+
+
+@attrs.frozen
+class BackendLimits:
+    """What the native library allows; flags past it exit 2 naming the limit."""
+
+    max_parallel: int | None = None  # active sessions at once
+    max_threads: int | None = None  # CPU threads ``load(threads=N)`` takes
+    context_granule: int = 1  # ``--max-context`` must be a multiple of it
+
+
 class Backend(Protocol):
     name: str
     priority: int  # lower wins when several back ends can load a checkpoint
-    options: frozenset[str]  # the back-end knobs ``create_runtime`` takes (``micro_batch``)
+    options: tuple[BackendOption, ...]  # the settings ``create_runtime`` takes
+    limits: BackendLimits
     takes_threads: bool  # whether ``load(threads=N)`` means something
     kv_windows: bool  # whether runtimes take ``KVSpec.window``
     decode_paths: frozenset[str]  # the ``KVSpec.decode_path`` values runtimes take
+
+    def session_layout(self, options: Mapping[str, object], parallel: int) -> SessionLayout:
+        """How ``parallel`` sessions are laid out with ``options`` (checked ones)."""
 
     def unavailable(self) -> str | None:
         """Why this back end cannot run here (a library missing), or None."""
@@ -278,3 +315,20 @@ class Backend(Protocol):
     def load(self, resolved: ResolvedModel, *, threads: int | None = None) -> LoadedModel:
         """Load a checkpoint ``precheck`` passed; raise ``ModelLoadError`` with the loader's
         reason (no paths, no sizes) on failure."""
+
+
+def check_options(backend: Backend, options: Mapping[str, object]) -> dict[str, object]:
+    """``options`` if ``backend`` takes every one of them with these values; raise
+    :class:`~butter.errors.InvalidRequestError` naming the first one it does not."""
+    declared = {option.name: option for option in backend.options}
+    for name, value in options.items():
+        option = declared.get(name)
+        if option is None:
+            raise InvalidRequestError(f"The {backend.name} back end has no {name} setting.")
+        if option.choices and value not in option.choices:
+            raise InvalidRequestError(f"{option.flag} must be one of "
+                                      f"{', '.join(option.choices)}.")
+        reason = option.check(value)
+        if reason is not None:
+            raise InvalidRequestError(f"{option.flag}: {reason}.")
+    return dict(options)

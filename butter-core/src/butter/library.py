@@ -14,13 +14,20 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from butter.backend import Backend, CheckpointFacts, KVSpec, LoadedModel, ModelInfo
+from butter.backend import (
+    Backend,
+    CheckpointFacts,
+    KVSpec,
+    LoadedModel,
+    ModelInfo,
+    check_options,
+)
 from butter.chat.answer import AnswerReader
 from butter.chat.grammar import grammar_for
 from butter.chat.guard import TextGuard
@@ -31,7 +38,7 @@ from butter.chat.template import ChatTemplate
 from butter.engine.constraint import Constraint, Grammars
 from butter.engine.events import Failed, Finished, SyncChannel, TextDelta
 from butter.engine.records import Request
-from butter.engine.scheduler import DEFAULT_KV_LAYOUT, Engine, EngineConfig
+from butter.engine.scheduler import Engine, EngineConfig
 from butter.errors import (
     ButterError,
     EngineStoppedError,
@@ -85,13 +92,11 @@ class Model:
     """A loaded checkpoint and the engine that runs it."""
 
     def __init__(self, loaded: LoadedModel, *, model_id: str, resolved: ResolvedModel,
-                 backend_name: str, plugins: Plugins,
-                 backend_options: frozenset[str] = frozenset()) -> None:
+                 backend: Backend, plugins: Plugins) -> None:
         self.loaded = loaded
         self.model_id = model_id
         self.resolved = resolved
-        self.backend_name = backend_name
-        self.backend_options = backend_options  # the runtime knobs its back end takes
+        self.backend = backend  # the back end that loaded it: its settings, its layout
         self.info: ModelInfo = loaded.info
         self.loaded_at = int(time.time())
         self.template = ChatTemplate(self.info.chat_template, bos_token=self.info.bos_token,
@@ -137,23 +142,20 @@ class Model:
             self.start_engine(self.engine_config(capacity=min(self.info.n_ctx_train, 8192)))
         return self._engine
 
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
     def engine_config(self, *, parallel: int = 1, capacity: int | None = None,
-                      prefill_chunk: int = 256, micro_batch: int | None = None,
-                      kv_layout: str | None = None, kv: KVSpec | None = None) -> EngineConfig:
-        """The engine settings for this model's back end (``butter serve``'s flags)."""
-        options: dict[str, object] = {"micro_batch": micro_batch} if micro_batch else {}
-        n_sessions = 0  # the engine's default: parallel + 2 (two idle caches kept)
-        if "kv_layout" in self.backend_options:
-            options["kv_layout"] = kv_layout or DEFAULT_KV_LAYOUT
-            if options["kv_layout"] == "per-session":
-                # A stream per session, capacity / parallel cells each (llama-server's
-                # slots); an idle session keeps its cache in its own stream.
-                n_sessions = parallel
-        elif kv_layout is not None:
-            raise InvalidRequestError(f"The {self.backend_name} back end has no KV layout "
-                                      "choice.")
+                      prefill_chunk: int = 256, kv: KVSpec | None = None,
+                      options: Mapping[str, object] | None = None) -> EngineConfig:
+        """The engine settings for this model (``butter serve``'s flags); ``options`` are
+        its back end's own settings (``Backend.options``), refused with a 400 if it does
+        not declare one or a value cannot work."""
+        options = check_options(self.backend, options or {})
+        layout = self.backend.session_layout(options, parallel)
         return EngineConfig(parallel=parallel, capacity=capacity or self.info.n_ctx_train,
-                            prefill_chunk=prefill_chunk, n_sessions=n_sessions,
+                            prefill_chunk=prefill_chunk, n_sessions=layout.n_sessions,
                             kv=kv or KVSpec(), options=options)
 
     @property
@@ -366,7 +368,8 @@ class CheckedModel:
 
     @property
     def model_id(self) -> str:
-        return self.resolved.model_id
+        """The served id: a path's stem, never the path (``ResolvedModel.served_id``)."""
+        return self.resolved.served_id
 
 
 class ModelLoader:
@@ -404,7 +407,8 @@ class ModelLoader:
                 candidate = _inside(directory, model_id)
                 if candidate is not None:
                     found = self.plugins.resolve(str(candidate))
-                    return attrs.evolve(found, model_id=model_id)
+                    # A name under --models-dir is a name: it is served as given.
+                    return attrs.evolve(found, model_id=model_id, named_path=False)
         resolved = self.plugins.resolve(model_id)
         if resolved.named_path and not free and not self._in_models_dir(resolved.path):
             raise ModelNotFoundError(model_id)
@@ -450,8 +454,7 @@ class ModelLoader:
             return self.factory(checked.model_id)
         loaded = checked.backend.load(checked.resolved, threads=self.threads)
         return Model(loaded, model_id=checked.model_id, resolved=checked.resolved,
-                     backend_name=checked.backend.name, plugins=self.plugins,
-                     backend_options=frozenset(checked.backend.options))
+                     backend=checked.backend, plugins=self.plugins)
 
 
 def _inside(directory: Path, name: str) -> Path | None:

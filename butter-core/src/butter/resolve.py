@@ -24,6 +24,14 @@ class ResolvedModel:
     named_path: bool = False
 
     @property
+    def served_id(self) -> str:
+        """The id ``/v1/models`` shows: a path's file or folder name (its stem), never the
+        path; a name as it was given."""
+        if not self.named_path:
+            return self.model_id
+        return self.path.stem if self.path.is_file() else self.path.name
+
+    @property
     def key(self) -> str:
         """What makes two ids the same checkpoint (an alias and its file path are one)."""
         return str(self.path.resolve())

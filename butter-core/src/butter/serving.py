@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from butter.backend import KVSpec
@@ -126,8 +126,8 @@ class ButterServeBackend:
 
     def __init__(self, model: Model, *, model_id: str | None = None,
                  maximum_concurrent_requests: int = 1, max_context: int | None = None,
-                 prefill_chunk: int = 256, micro_batch: int | None = None,
-                 kv_layout: str | None = None, kv: KVSpec | None = None,
+                 prefill_chunk: int = 256, kv: KVSpec | None = None,
+                 backend_options: Mapping[str, Mapping[str, object]] | None = None,
                  enable_thinking: bool | None = None,
                  reasoning_effort: str | None = None) -> None:
         self.model = model
@@ -136,7 +136,8 @@ class ButterServeBackend:
         self.reasoning_effort = reasoning_effort
         self.engine = model.start_engine(model.engine_config(
             parallel=maximum_concurrent_requests, capacity=max_context,
-            prefill_chunk=prefill_chunk, micro_batch=micro_batch, kv_layout=kv_layout, kv=kv))
+            prefill_chunk=prefill_chunk, kv=kv,
+            options=(backend_options or {}).get(model.backend.name)))
 
     @property
     def model_id(self) -> str:
@@ -223,7 +224,7 @@ class ResidentServeBackend:
     """
 
     def __init__(self, loader: ModelLoader | Callable[[str], Model], initial: str, *,
-                 allow_swap: bool = True, **backend_options) -> None:
+                 allow_swap: bool = True, alias: str | None = None, **backend_options) -> None:
         from butter.library import ModelLoader
 
         if not isinstance(loader, ModelLoader):  # a plain loader callable
@@ -232,8 +233,10 @@ class ResidentServeBackend:
         self._options = backend_options
         self.allow_swap = allow_swap
         self._initial = initial
+        self._alias = alias  # the initial checkpoint's served id (--alias), if given
         self._lock = asyncio.Lock()
         self._checked = loader.check(loader.find(initial, trusted=True))
+        self._initial_key = self._checked.resolved.key
         self._current = self._build(self._checked)
         self.swaps = 0
         self.downloads = SharedDownloads()
@@ -241,7 +244,9 @@ class ResidentServeBackend:
     def _build(self, checked: CheckedModel) -> ButterServeBackend:
         model = self._loader.load(checked)
         try:
-            return ButterServeBackend(model, model_id=checked.model_id, **self._options)
+            served = self._alias if self._alias and checked.resolved.key == self._initial_key \
+                else checked.model_id
+            return ButterServeBackend(model, model_id=served, **self._options)
         except BaseException:
             model.close()
             raise
@@ -282,6 +287,8 @@ class ResidentServeBackend:
     async def _resolve(self, model_id: str) -> ResolvedModel:
         """Resolve ``model_id``, downloading it first when the loader allows that. The
         download holds no lock: the resident model serves on while it runs."""
+        if self._alias is not None and model_id == self._alias:
+            model_id = self._initial
         trusted = model_id == self._initial
         target = await asyncio.to_thread(self._loader.download_target, model_id,
                                          trusted=trusted)

@@ -10,44 +10,43 @@ import re
 import socket
 from pathlib import Path
 
-from butter.backend import KVSpec
-from butter.cli.main import (
+from butter.backend import Backend, KVSpec
+from butter.cli.common import (
+    BACKEND_OPTION,
     DEFAULT_WINDOW_KEEP,
     MAX_BATCH,
-    MAX_PARALLEL,
-    MAX_THREADS,
     UsageError,
     console,
     setup_logging,
 )
-from butter.engine.scheduler import DEFAULT_KV_LAYOUT
+from butter.cli.pull import fetch_model
 from butter.errors import ButterError
 from butter.http.access import DEFAULT_ALLOWED_ORIGINS, AccessPolicy, is_loopback
 from butter.http.app import ROUTES
 from butter.http.server import ServeServer
 from butter.kvcodec import InvalidCodecError
-from butter.library import ModelLoader, default_plugins
+from butter.library import ModelLoader
+from butter.plugins import Plugins
 from butter.serving import ResidentServeBackend
 
 log = logging.getLogger("butter.serve")
 
-CONTEXT_GRANULE = 256  # llama.cpp rounds a context up to this; butter takes only exact ones
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$", re.IGNORECASE)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, plugins: Plugins) -> int:
     setup_logging(args.log_level)
-    loader, access, kv = check_flags(args)
+    loader, access, kv, options = check_flags(args, plugins)
     with console.status(f"Loading [bold]{args.model}[/bold]…", spinner="dots"):
         resident = ResidentServeBackend(
             loader, args.model,
             allow_swap=not args.no_swap,
+            alias=args.alias,
             maximum_concurrent_requests=args.parallel,
             max_context=args.max_context,
             prefill_chunk=args.prefill_chunk,
-            micro_batch=args.ubatch_size,
-            kv_layout=args.kv_layout,
             kv=kv,
+            backend_options=options,
             enable_thinking=args.enable_thinking,
             reasoning_effort=args.reasoning_effort,
         )
@@ -65,8 +64,12 @@ def run_serve(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
-def check_flags(args: argparse.Namespace) -> tuple[ModelLoader, AccessPolicy, KVSpec]:
-    """Refuse any flag that cannot work, before anything loads (raises :class:`UsageError`)."""
+def check_flags(args: argparse.Namespace, plugins: Plugins
+                ) -> tuple[ModelLoader, AccessPolicy, KVSpec, dict[str, dict[str, object]]]:
+    """Refuse any flag that cannot work, before anything loads (raises :class:`UsageError`).
+
+    Returns the loader, the access policy, the KV spec and the chosen back end's own
+    settings (keyed by its name, as ``ResidentServeBackend`` takes them)."""
     if args.kv_window_keep is not None and args.kv_window_size is None:
         raise UsageError("--kv-window-keep", "needs --kv-window-size")
     window, keep = args.kv_window_size, args.kv_window_keep
@@ -75,7 +78,6 @@ def check_flags(args: argparse.Namespace) -> tuple[ModelLoader, AccessPolicy, KV
     if window is not None and keep >= window:
         raise UsageError("--kv-window-keep", f"{keep} positions kept leave nothing of a "
                          f"{window}-position window to shift")
-    plugins = default_plugins()
     try:
         codec = plugins.kv_codec(args.kv_cache)
     except InvalidCodecError as error:
@@ -86,16 +88,12 @@ def check_flags(args: argparse.Namespace) -> tuple[ModelLoader, AccessPolicy, KV
                 window=window, keep=keep)
     if args.backend is not None and args.backend not in plugins.backends:
         raise UsageError("--backend", plugins.unknown_backend(args.backend))
-    _at_most("--parallel", args.parallel, MAX_PARALLEL)
-    _at_most("--threads", args.threads, MAX_THREADS)
-    _at_most("--ubatch-size", args.ubatch_size, MAX_BATCH)
     _at_most("--prefill-chunk", args.prefill_chunk, MAX_BATCH)
-    if args.max_context is not None and args.max_context % CONTEXT_GRANULE:
-        raise UsageError("--max-context", f"{args.max_context} is not a multiple of "
-                         f"{CONTEXT_GRANULE}")
     for directory in args.models_dir:
         if not Path(directory).expanduser().is_dir():
             raise UsageError("--models-dir", f"{directory} is not a directory")
+    if args.alias is not None and not args.alias.strip():
+        raise UsageError("--alias", "the name is empty")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key", "the key is empty")
     access = AccessPolicy(allowed_origins=parse_origins(args.allowed_origins),
@@ -103,36 +101,57 @@ def check_flags(args: argparse.Namespace) -> tuple[ModelLoader, AccessPolicy, KV
     check_listen(args.host, args.port)
     loader = ModelLoader(backend=args.backend, threads=args.threads,
                          models_dirs=args.models_dir, allow_any_path=args.allow_any_path,
-                         plugins=plugins)
+                         allow_downloads=args.allow_downloads, plugins=plugins)
+    fetch_model(loader, args.model)  # the last check: no flag above costs a download
     try:
         checked = loader.check(loader.find(args.model, trusted=True))
     except ButterError as error:
         raise UsageError("--model", error.message) from None
     backend = checked.backend
+    options = _backend_options(args, backend, plugins)
+    limits = backend.limits
+    _at_most("--parallel", args.parallel, limits.max_parallel)
     if args.threads is not None and not backend.takes_threads:
         raise UsageError("--threads", f"the {backend.name} back end sets no thread count")
-    if args.ubatch_size is not None and "micro_batch" not in backend.options:
-        raise UsageError("--ubatch-size", f"the {backend.name} back end has no micro-batch")
-    if kv.decode_path not in getattr(backend, "decode_paths", ("compressed",)):
+    _at_most("--threads", args.threads, limits.max_threads)
+    granule = limits.context_granule
+    if args.max_context is not None and args.max_context % granule:
+        raise UsageError("--max-context", f"{args.max_context} is not a multiple of {granule}")
+    if kv.decode_path not in backend.decode_paths:
         raise UsageError("--aura-decode-path", f"the {backend.name} back end attends on its "
                          f"cache as stored; it has no {kv.decode_path} path")
-    if window is not None and not getattr(backend, "kv_windows", False):
+    if window is not None and not backend.kv_windows:
         raise UsageError("--kv-window-size", f"the {backend.name} back end has no KV window "
                          "in this build")
-    if args.kv_layout is not None and "kv_layout" not in backend.options:
-        raise UsageError("--kv-layout", f"the {backend.name} back end keeps a cache per "
-                         "session; it has no layout choice")
     trained = checked.facts.context_length
     # A KV stream per session (the GGUF default) gives each --max-context / --parallel.
-    streams = args.parallel if "kv_layout" in backend.options \
-        and (args.kv_layout or DEFAULT_KV_LAYOUT) == "per-session" else 1
+    streams = backend.session_layout(options, args.parallel).streams
     if args.max_context is not None and trained and args.max_context > trained * streams:
         each = " per session" if streams > 1 else ""
         raise UsageError("--max-context", f"{args.max_context} gives more{each} than the "
                          f"model's trained context ({trained})")
     if window is not None:
         _check_window(args, window, trained, streams)
-    return loader, access, kv
+    return loader, access, kv, {backend.name: options}
+
+
+def _backend_options(args: argparse.Namespace, backend: Backend,
+                     plugins: Plugins) -> dict[str, object]:
+    """The settings given for ``backend``, each checked; another back end's cannot work."""
+    options: dict[str, object] = {}
+    for dest, value in vars(args).items():
+        if not dest.startswith(BACKEND_OPTION) or value is None:
+            continue
+        owner, name = dest[len(BACKEND_OPTION):].split(":", 1)
+        option = next(o for o in plugins.backends[owner].options if o.name == name)
+        if owner != backend.name:
+            raise UsageError(option.flag, f"is a setting of the {owner} back end; this model "
+                             f"runs on {backend.name}")
+        reason = option.check(value)
+        if reason is not None:
+            raise UsageError(option.flag, reason)
+        options[name] = value
+    return options
 
 
 def _check_window(args: argparse.Namespace, window: int, trained: int | None,
@@ -148,8 +167,8 @@ def _check_window(args: argparse.Namespace, window: int, trained: int | None,
                          "--max-context gives")
 
 
-def _at_most(flag: str, value: int | None, limit: int) -> None:
-    if value is not None and value > limit:
+def _at_most(flag: str, value: int | None, limit: int | None) -> None:
+    if value is not None and limit is not None and value > limit:
         raise UsageError(flag, f"{value} is more than {limit}")
 
 

@@ -44,8 +44,6 @@ from butter.generation import Logprob, TokenChoice, Usage
 
 log = logging.getLogger("butter.engine")
 
-KV_LAYOUTS = ("per-session", "shared")  # back ends with a ``kv_layout`` option
-DEFAULT_KV_LAYOUT = "per-session"  # chosen by bench/batch_invariance.py and concurrency.py
 
 
 @attrs.frozen
@@ -58,7 +56,7 @@ class EngineConfig:
     max_batch: int = 512  # tokens one step may feed across sessions
     prefill_chunk: int = 256  # prefill chunks end at multiples of it
     kv: KVSpec = KVSpec()
-    # The back end's own knobs (GGUF: micro_batch), passed through untouched.
+    # The back end's own settings (``Backend.options``), checked, passed through.
     options: dict = attrs.field(factory=dict)
 
     @property
@@ -365,7 +363,7 @@ class Engine:
                 self.metrics.prefill_chunks += 1
                 self.metrics.prefill_tokens += len(work.tokens)
             if token is not None:
-                last = getattr(request.sampler, "last", None)
+                last = request.sampler.last
                 if last is not None and request.params.logprobs is not None:
                     request.logprobs.append(self._logprob(last))
                 self._on_token(request, token)
