@@ -5,6 +5,7 @@ CI runs the command itself (`.ci/readme_commands.py`); these tests hide the othe
 first-party packages' entry points to check the same rules on the dev install."""
 
 import importlib.metadata
+import inspect
 import os
 import subprocess
 import sys
@@ -13,31 +14,31 @@ import pytest
 
 from butter.plugins import build_plugins
 
-ONLY_CORE_AND_GGUF = """
-import importlib.metadata, sys
-real = importlib.metadata.entry_points
-def entry_points(**kwargs):
-    found = real(**kwargs)
-    if kwargs.get("group") == "butter":
-        return [e for e in found if e.name not in ("kvcodecs", "mlx")]
-    return found
-importlib.metadata.entry_points = entry_points
-from butter.cli.main import main
-sys.exit(main(sys.argv[1:]))
-"""
 
-
-@pytest.fixture
-def only_core_and_gguf(monkeypatch):
-    real = importlib.metadata.entry_points
-
+def _without_kvcodecs_and_mlx(real):
     def entry_points(**kwargs):
         found = real(**kwargs)
         if kwargs.get("group") == "butter":
             return [e for e in found if e.name not in ("kvcodecs", "mlx")]
         return found
 
-    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    return entry_points
+
+
+# The same in a subprocess: `butter` as a user of the first command has it.
+ONLY_CORE_AND_GGUF = (
+    "import importlib.metadata, sys\n"
+    + inspect.getsource(_without_kvcodecs_and_mlx)
+    + "importlib.metadata.entry_points = "
+      "_without_kvcodecs_and_mlx(importlib.metadata.entry_points)\n"
+      "from butter.cli.main import main\n"
+      "sys.exit(main(sys.argv[1:]))\n")
+
+
+@pytest.fixture
+def only_core_and_gguf(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        _without_kvcodecs_and_mlx(importlib.metadata.entry_points))
 
 
 def butter(*args):

@@ -135,3 +135,13 @@ def test_plugins_lists_what_loaded():
     assert result.returncode == 0
     for name in ("gguf", "raw", "hermes", "qwen3_coder", "butter.resolvers"):
         assert name in result.stdout
+
+
+def test_each_back_end_lists_its_own_settings_and_refuses_another_ones():
+    text = butter("serve", "--help").stdout
+    assert "gguf back end:" in text and "--ubatch-size" in text and "--kv-layout" in text
+    assert "mlx back end:" in text and "--prefill-step" in text
+    result = butter("serve", "--model", "smollm2", "--prefill-step", "8")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("butter serve: error: --prefill-step: is a setting of "
+                                     "the mlx back end; this model runs on gguf")

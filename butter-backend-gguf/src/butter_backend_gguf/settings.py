@@ -22,22 +22,9 @@ SPARE_SESSIONS = 2  # idle caches the pool keeps beside the active sessions
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
 
 
-def _micro_batch(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"{text!r} must be at least 1")
-    return value
-
-
-def _check_micro_batch(value: object) -> str | None:
-    if int(value) > MAX_MICRO_BATCH:
-        return f"{value} is more than {MAX_MICRO_BATCH}"
-    return None
-
-
 OPTIONS = (
-    BackendOption(
-        name="micro_batch", flag="--ubatch-size", parse=_micro_batch, check=_check_micro_batch,
+    BackendOption.count(
+        "micro_batch", "--ubatch-size", maximum=MAX_MICRO_BATCH,
         help=f"rows per llama.cpp micro-batch (llama-server's -ub), at most {MAX_MICRO_BATCH} "
              f"(default {PER_SESSION_MICRO_BATCH} per-session, {FA_ROW_BY_ROW_MAX_ROWS} "
              "shared: under 64 rows a shared cache answers the same alone or batched while "

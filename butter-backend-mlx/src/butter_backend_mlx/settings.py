@@ -13,22 +13,9 @@ MAX_PREFILL_STEP = 512  # the engine's steps hold at most 512 tokens
 DECODE_PATHS = frozenset({"compressed", "dequant-mirror"})
 
 
-def _prefill_step(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"{text!r} must be at least 1")
-    return value
-
-
-def _check_prefill_step(value: object) -> str | None:
-    return f"{value} is more than {MAX_PREFILL_STEP}" if int(value) > MAX_PREFILL_STEP \
-        else None
-
-
 OPTIONS = (
-    BackendOption(
-        name="prefill_step", flag="--prefill-step", parse=_prefill_step,
-        check=_check_prefill_step,
+    BackendOption.count(
+        "prefill_step", "--prefill-step", maximum=MAX_PREFILL_STEP,
         help=f"tokens one MLX pass may feed across sessions, at most {MAX_PREFILL_STEP} "
              f"(mlx_lm.server's prefill step; default {CPU_PREFILL_STEP} on a CPU, where "
              "short passes keep cancellation prompt, else the engine's step)"),

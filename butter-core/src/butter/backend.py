@@ -270,6 +270,25 @@ class BackendOption:
     default: object = None  # what the back end uses when the option is unset (for --help)
     check: Callable[[object], str | None] = lambda value: None  # why a value cannot work
 
+    @classmethod
+    def count(cls, name: str, flag: str, help: str, *, maximum: int,
+              default: object = None) -> BackendOption:
+        """A whole number from 1 to ``maximum``."""
+
+        def parse(text: str) -> int:
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"{text!r} is not an integer") from None
+            if value < 1:
+                raise ValueError(f"{text!r} must be at least 1")
+            return value
+
+        def check(value: object) -> str | None:
+            return f"{value} is more than {maximum}" if int(value) > maximum else None
+
+        return cls(name=name, flag=flag, help=help, parse=parse, check=check, default=default)
+
 
 @attrs.frozen
 class SessionLayout:
