@@ -87,9 +87,11 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
                        choices=("debug", "info", "warning", "error"))
     add_backend_options(serve, plugins)
 
+    from butter.cli.pull import hub_id_argument
+
     pull = commands.add_parser("pull", help="download a Hugging Face model into the HF cache "
                                "without serving it")
-    pull.add_argument("id", metavar="ID",
+    pull.add_argument("id", metavar="ID", type=hub_id_argument,
                       help="owner/repo, owner/repo:QUANT (a GGUF quant) or owner/repo/file.gguf")
 
     bench = commands.add_parser("serve-bench", help="benchmark a running server")

@@ -4,17 +4,28 @@ download step ``butter serve --model`` runs before loading."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from butter.cli.common import UsageError, console
+from butter.cli.common import console
 from butter.hub import RichSink, download, parse_hub_id
-from butter.library import ModelLoader
+
+if TYPE_CHECKING:
+    from butter.library import ModelLoader
+
+
+def hub_id_argument(text: str) -> str:
+    """argparse type of ``ID``: a hub id, or a usage error naming the forms (exit 2)."""
+    if parse_hub_id(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Hugging Face id (owner/repo, "
+                                         "owner/repo:QUANT or owner/repo/file.gguf)")
+    return text
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    """Download ``args.id`` (with a progress bar) unless cached; print its local path."""
-    if parse_hub_id(args.id) is None:
-        raise UsageError("ID", f"{args.id!r} is not a Hugging Face id (owner/repo, "
-                         "owner/repo:QUANT or owner/repo/file.gguf)")
+    """Download ``args.id`` (with a progress bar on stderr) unless cached; print its local
+    path on stdout."""
+    from butter.library import ModelLoader
+
     loader = ModelLoader()
     if not fetch_model(loader, args.id):
         console.print(f"[bold]{args.id}[/bold] is in the cache already", highlight=False)
