@@ -7,8 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support.absent import skip_without
 
-pytest.importorskip("mlx_lm")
+# Without MLX each file skips, unimported.
+pytest_pycollect_makemodule = skip_without(
+    "mlx", "mlx_lm", "butter_backend_mlx", reason="MLX is not installed (butter-core[mlx])")
 
 
 @pytest.fixture(scope="session")
