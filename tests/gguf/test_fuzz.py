@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from support import hostile
 
 FLAGS = ("--parallel", "4", "--threads", "1")  # see test_hostile.py
@@ -25,6 +26,7 @@ def test_the_published_schemas_are_the_fuzzed_ones(server):
     assert schemas[hostile.MESSAGES]["required"] == ["messages", "max_tokens"]
 
 
+@pytest.mark.slow  # 90 seconds of fuzzing
 def test_fuzzed_bodies_get_no_5xx(start_server):
     server = start_server(*FLAGS)
     report = hostile.fuzz(server.root, max_examples=MAX_EXAMPLES, seconds=SECONDS)

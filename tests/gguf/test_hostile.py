@@ -36,6 +36,7 @@ def describe(failures: list[hostile.Failure]) -> str:
                      for f in failures[:30])
 
 
+@pytest.mark.slow  # 900 bad requests
 def test_bad_input_matrix_gets_no_5xx(start_server, cases):
     server = start_server(*FLAGS)
     report = asyncio.run(hostile.run_matrix(server.root, cases, concurrency=4))
@@ -60,6 +61,7 @@ def warm_up(server) -> None:
     asyncio.run(hostile.hangup_storm(server.root, 50, concurrency=12, seed=-1))
 
 
+@pytest.mark.slow  # a storm of 200 hang-ups
 def test_hang_up_storm_leaves_no_request_session_or_memory_behind(start_server):
     server = start_server(*FLAGS)
     warm_up(server)

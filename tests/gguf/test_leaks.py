@@ -99,6 +99,7 @@ async def random_hang_ups(url: str, rng: random.Random, count: int) -> list[str]
     return await asyncio.gather(*(one(i) for i in range(count)))
 
 
+@pytest.mark.slow  # 40 random hang-ups and their answers
 def test_random_hang_ups_leak_no_session_or_reservation(tight):
     before = tight.wait_idle()
     seed = random.randrange(1 << 30)
