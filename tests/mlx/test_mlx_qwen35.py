@@ -14,6 +14,8 @@ import pytest
 
 from butter.library import Model
 
+pytestmark = pytest.mark.slow  # MLX on a CPU: seconds per request
+
 IM_END, ENDOFTEXT = 151645, 151643
 PROMPT = [151644, 872, 198, 9707, 1879, 374, 264, 1273, 13, 151645, 198, 151644, 77091, 198]
 
