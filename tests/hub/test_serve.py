@@ -81,6 +81,8 @@ def test_requests_pull_a_hub_id_while_the_resident_model_keeps_streaming(hub, hf
         replies = list(pool.map(ask, range(2)))
     streaming.join(120)
     assert [r.model for r in replies] == [HUB_ID, HUB_ID]
+    log = server.log_text()  # the operator sees the download in the log
+    assert f"downloading {HUB_ID}: 1 files, 98.4 MB" in log and f"downloaded {HUB_ID}" in log
     assert all(r.choices[0].message.content for r in replies)
     gets = hub.gets(GGUF_REPO, GGUF_FILE)
     assert len(gets) == 1, gets

@@ -36,8 +36,11 @@ def run_pull(args: argparse.Namespace) -> int:
 def fetch_model(loader: ModelLoader, model_id: str) -> bool:
     """Download ``model_id`` with a progress bar when it is a hub id not cached yet;
     whether it downloaded. Failures raise a one-line :class:`~butter.errors.ButterError`."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+
     target = loader.download_target(model_id, trusted=True)
     if target is None:
         return False
-    download(target, sink=RichSink(console))
+    # HF_HUB_DISABLE_PROGRESS_BARS keeps its meaning: no bar, the same download.
+    download(target, sink=None if are_progress_bars_disabled() else RichSink(console))
     return True
