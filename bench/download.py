@@ -7,6 +7,9 @@ server do not share an interpreter lock, and times, interleaved, ``--runs`` time
 * **hub**: ``butter.hub.download("lab/smollm2-gguf:Q4_1")`` into an empty HF cache
   (huggingface_hub's own client: revision, listing, HEAD, GET, blob moved into place),
   in this process, so no interpreter start is counted;
+* **curl**: ``curl`` fetching the same file from the same hub: the server's share (the
+  hub is a Python ``http.server``, not the real hub's CDN), so hub / curl is what
+  huggingface_hub's client and the cache cost on top;
 * **socket**: the floor of the loopback itself: the file sent with ``sendfile`` over a
   loopback TCP connection and written to disk by a ``recv`` loop, no HTTP;
 * **cp**: ``cp`` of the same file into a fresh folder of the same disk;
@@ -82,8 +85,13 @@ def main() -> int:
             subprocess.run(["cp", str(source), str(target / FILE)], check=True)
         return run
 
-    contenders = {"hub": fetch, "socket": lambda: over_socket(source, work / "socket.bin"),
-                  "cp": copy("cp-a"), "cp (A/A)": copy("cp-b")}
+    file_url = f"{url}/{REPO_ID}/resolve/main/{FILE}"
+    contenders = {"hub": fetch}
+    if shutil.which("curl"):
+        contenders["curl"] = lambda: subprocess.run(
+            ["curl", "-sf", "-o", str(work / "curl.bin"), file_url], check=True)
+    contenders.update({"socket": lambda: over_socket(source, work / "socket.bin"),
+                       "cp": copy("cp-a"), "cp (A/A)": copy("cp-b")})
     for run in contenders.values():  # warm-up: page cache, imports, connections
         run()
     times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -104,8 +112,9 @@ def main() -> int:
         table.add_row(name, f"{median[name]:.3f}", f"{size / 1e6 / median[name]:.0f}",
                       " ".join(f"{v:.3f}" for v in values))
     console.print(table)
-    console.print(f"hub / cp: {median['hub'] / median['cp']:.2f}   "
-                  f"socket / cp: {median['socket'] / median['cp']:.2f}   "
+    ratios = "   ".join(f"{name} / cp: {median[name] / median['cp']:.2f}"
+                       for name in contenders if name not in ("cp", "cp (A/A)"))
+    console.print(f"{ratios}   "
                   f"A/A cp (A/A) / cp: {median['cp (A/A)'] / median['cp']:.2f}")
     return 0
 
