@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from support.hubtest import GATED_REPO, GATED_TOKEN, GGUF_FILE, GGUF_REPO, butter
 
 
@@ -112,3 +113,12 @@ def test_pull_refuses_what_is_not_a_hub_id(hf_env):
     done = butter("pull", "smollm2", env=hf_env)
     assert done.returncode == 2 and "is not a Hugging Face id" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_serve_fails_the_same_way_before_loading_anything(hf_env):
+    done = butter("serve", "--model", "lab/missing", "--port", str(free_port()), env=hf_env)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"butter: error: The model `lab/missing` does not exist or is not available here. "
+        f"{hf_env['HF_ENDPOINT']} has no repository lab/missing (404; no HF_TOKEN is set; "
+        "a private one needs a token that may read it)."]

@@ -59,5 +59,9 @@ def port(text: str) -> int:
 def setup_logging(level: str) -> None:
     handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
     logging.basicConfig(level=level.upper(), format="%(message)s", handlers=[handler], force=True)
-    logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, logging.getLevelName(
-        level.upper())))
+    quiet = max(logging.WARNING, logging.getLevelName(level.upper()))
+    logging.getLogger("uvicorn.error").setLevel(quiet)
+    # huggingface_hub's HTTP client logs every request at INFO: a hub download shows its
+    # progress bar instead (butter.hub), and failures as one line.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(quiet)
