@@ -40,8 +40,6 @@ from butter.engine.constraint import JSON_STYLE, GrammarSpec
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
-# The rest of a call after its open tag, in either format (``call`` is the format's rule).
-_CALL_BODY = f'"\\n"? call "\\n"? "{TOOL_CLOSE}"'
 # Thinking, up to and including the close tag the template's model writes; then the blank
 # line the template puts after it.
 _THINK = 'think "\\n"{0,2} '
@@ -64,19 +62,32 @@ def grammar_for(request: ChatRequest, plan: PromptPlan) -> GrammarSpec | None:
         return _lark(f"start: {think}content", [_THINK_RULE], what="response_format",
                      content=content)
     calls = _call_rules(request, plan.tool_format)
+    body = _call_body(plan.tool_format)
     if think:
         calls.append(_THINK_RULE)
     if request.tool_choice.mode in ("required", "function"):
         if plan.answer_prefix:  # the prompt already opened the call: the rest of it
-            return _lark(f"start: {_CALL_BODY}", calls, what="tool_choice")
-        return _lark(f'start: {think}"{TOOL_OPEN}" {_CALL_BODY}', calls, what="tool_choice")
+            rest = _call_body(plan.tool_format, opened=plan.answer_prefix)
+            return _lark(f"start: {rest}", calls, what="tool_choice")
+        return _lark(f'start: {think}"{TOOL_OPEN}" {body}', calls, what="tool_choice")
     if content is not None:
-        return _lark(f'start: {think}(content | "{TOOL_OPEN}" {_CALL_BODY})', calls,
+        return _lark(f'start: {think}(content | "{TOOL_OPEN}" {body})', calls,
                      what="response_format", content=content)
     if plan.think_open:
         calls.remove(_THINK_RULE)
-    return _lark(f"start: {_CALL_BODY}", calls, what="tools", trigger=TOOL_OPEN,
+    return _lark(f"start: {body}", calls, what="tools", trigger=TOOL_OPEN,
                  armed_by=THINK_CLOSE if plan.think_open else None)
+
+
+def _call_body(tool_format: str, *, opened: str = TOOL_OPEN) -> str:
+    """The rest of a call after ``opened`` (its open tag, perhaps with a newline): the
+    format's ``call`` rule and the close tag. XML is laid out exactly as the template
+    writes it (``<tool_call>\\n<function=…>…</function>\\n</tool_call>``); Hermes JSON
+    may leave out the newlines."""
+    if tool_format == QWEN3_CODER:
+        newline = "" if opened.endswith("\n") else '"\\n" '
+        return f'{newline}call "\\n{TOOL_CLOSE}"'
+    return f'"\\n"? call "\\n"? "{TOOL_CLOSE}"'
 
 
 def _chosen_tools(request: ChatRequest) -> list[dict[str, Any]]:
