@@ -1,11 +1,10 @@
 """The MLX back end on the tiny Qwen3.5 and Qwen3.5-MoE: the HF folder as Qwen ships it
 (settings under ``text_config``, weights under ``model.language_model``) loads through
-mlx-lm's own loader and answers through a real server; a Qwen3.5 GGUF is refused."""
+mlx-lm's own loader and answers through a real server; so do Qwen3.5 GGUFs, through
+mx.load into the same mlx-lm class."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,14 +67,15 @@ def test_the_folder_loads_with_its_nested_settings(tiny_qwen35_folder):
         assert answer.usage.completion_tokens == 5
 
 
-@pytest.mark.parametrize("kind", ["tiny_qwen35", "tiny_qwen35_moe"], ids=["dense", "moe"])
-def test_a_server_answers_chat_on_the_folder(request, kind):
+@pytest.mark.parametrize("fixture", ["tiny_qwen35_folder", "tiny_qwen35_moe_folder",
+                                     "tiny_qwen35_gguf_q4"])
+def test_a_server_answers_chat_on_the_folder(request, fixture):
     """Two clients at once, one streaming, through ``butter serve --backend mlx``."""
     import openai
     from conftest import ServerProcess
 
-    folder = request.getfixturevalue(f"{kind}_folder")
-    server = ServerProcess("--backend", "mlx", "--parallel", "2", model=str(folder),
+    checkpoint = request.getfixturevalue(fixture)
+    server = ServerProcess("--backend", "mlx", "--parallel", "2", model=str(checkpoint),
                            timeout=180)
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0,
@@ -107,11 +107,56 @@ def test_a_server_answers_chat_on_the_folder(request, kind):
         server.stop()
 
 
-def test_a_qwen35_gguf_on_mlx_is_refused_with_the_reason(tiny_qwen35_gguf):
-    done = subprocess.run(
-        [sys.executable, "-m", "butter", "serve", "--backend", "mlx", "--model",
-         str(tiny_qwen35_gguf), "--port", "1"],
-        capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "Traceback" not in done.stderr
-    assert "qwen35" in done.stderr and "--backend gguf" in done.stderr
+@pytest.mark.parametrize("fixture", ["tiny_qwen35_gguf", "tiny_qwen35_gguf_q8",
+                                     "tiny_qwen35_gguf_q4", "tiny_qwen35_moe_gguf"])
+def test_mlx_computes_what_llama_cpp_computes_on_a_qwen35_gguf(request, fixture):
+    """mlx-lm's qwen3_5 class on a Qwen3.5 GGUF through mx.load, llama.cpp's conversion
+    steps undone (value-head order, -exp(A_log), squeezed conv1d), quantized layers kept."""
+    from butter_backend_mlx.checkpoint import load_gguf
+
+    gguf = request.getfixturevalue(fixture)
+    checkpoint = load_gguf(gguf, fixture)
+    assert checkpoint.config["model_type"] == ("qwen3_5_moe" if "moe" in fixture
+                                               else "qwen3_5")
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    quantized = fixture.endswith(("_q8", "_q4"))
+    if quantized:  # quantized layers stay quantized
+        assert any(name.endswith(".scales")
+                   for name, _ in tree_flatten(checkpoint.model.parameters()))
+
+    ours = np.array(checkpoint.model(mx.array([PROMPT]))[0].astype(mx.float32))
+    theirs = _llama_logits(gguf)
+    # llama.cpp multiplies quantized weights by 8-bit-quantized activations, MLX by float.
+    floor = {"_q8": 0.99, "_q4": 0.97}.get(fixture[-3:], 0.999)
+    for position, (a, b) in enumerate(zip(ours, theirs)):
+        assert np.corrcoef(a, b)[0, 1] > floor, position
+    assert sum(int(a.argmax() == b.argmax()) for a, b in zip(ours, theirs)) >= len(PROMPT) - 1
+    text = "Hello <think> world\n\n  Äpfel ½ 🦙.cpp <|im_end|>"
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    assert (checkpoint.tokenizer.encode(text, add_special_tokens=False).ids
+            == vocab.tokenize(text.encode(), add_bos=False, special=True))
+
+
+def test_quantized_columns_move_by_whole_groups():
+    """A real Qwen3.5's value heads (128 wide) span whole quantization groups: ssm_out's
+    columns are reordered in the quantized form, exactly."""
+    import mlx.core as mx
+
+    from butter_backend_mlx.qwen35_gguf import _columns, _untile
+
+    config = {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
+    dense = mx.random.normal((8, 4 * 64), key=mx.random.key(0))
+    for bits in (4, 8):
+        weight, scales, biases = mx.quantize(dense, group_size=32, bits=bits)
+        weights = {"t.weight": weight, "t.scales": scales, "t.biases": biases}
+        _columns(weights, "t", config, 64)
+        assert set(weights) == {"t.weight", "t.scales", "t.biases"}
+        got = mx.dequantize(weights["t.weight"], weights["t.scales"], weights["t.biases"],
+                            group_size=32, bits=bits)
+        want = _untile(mx.dequantize(weight, scales, biases, group_size=32, bits=bits), 1,
+                       config, 64)
+        assert mx.array_equal(got, want)

@@ -26,16 +26,26 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_model
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from butter.errors import ModelLoadError
+from butter_backend_mlx.qwen35_gguf import ARCHITECTURES as QWEN35_ARCHITECTURES
+from butter_backend_mlx.qwen35_gguf import qwen35_config, qwen35_weights
 
 GROUP_SIZE = 32  # ggml's Q4_0 / Q4_1 / Q8_0 blocks
 # ggml types mx.load turns into MLX arrays: F32, F16, Q4_0, Q4_1, Q8_0, BF16.
 MLX_GGUF_TYPES = frozenset({0, 1, 2, 3, 8, 30})
-ARCHITECTURES = frozenset({"llama"})
+ARCHITECTURES = frozenset({"llama", *QWEN35_ARCHITECTURES})
 TOKENIZER_MODELS = frozenset({"gpt2"})
 CONTROL, USER_DEFINED = 3, 4  # llama_token_type
 # tokenizer.ggml.pre → the regex llama.cpp splits with before byte-level BPE.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 DIGITS_FIRST = frozenset({"smollm", "starcoder", "refact"})
+# Pre-tokenizers with their own split (as their tokenizer.json spells it; llama.cpp's
+# QWEN2 / QWEN35 pre types).
+SPLITS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+             r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+              r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 
 _NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -72,17 +82,21 @@ def load_gguf(path: Path, model_id: str) -> Checkpoint:
     if arch not in ARCHITECTURES:
         raise ModelLoadError(model_id, f"the MLX back end reads {sorted(ARCHITECTURES)} GGUFs, "
                              f"not {arch!r}")
-    config = gguf_config(meta, arch)
+    if arch in QWEN35_ARCHITECTURES:
+        config = qwen35_config(meta, arch, tied="output.weight" not in weights,
+                               model_id=model_id)
+        weights = qwen35_weights(weights, config)
+    else:
+        config = gguf_config(meta, arch)
+        weights = {_hf_name(name): value for name, value in weights.items()}
+        config["tie_word_embeddings"] = "lm_head.weight" not in weights
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    weights = {_hf_name(name): value for name, value in weights.items()}
-    if "lm_head.weight" in weights:
-        config["tie_word_embeddings"] = False
-        model = model_class(args_class.from_dict(config))
     _quantize_like(model, weights)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
+    _float32_experts_on_cpu(model)
     tokenizer, control = gguf_tokenizer(meta, model_id)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
@@ -156,7 +170,8 @@ def gguf_tokenizer(meta: dict[str, Any], model_id: str) -> tuple[Tokenizer, froz
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {token: index for index, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    split = pre_tokenizers.Split(Regex(GPT2_SPLIT), behavior="isolated")
+    pattern = SPLITS.get(meta.get("tokenizer.ggml.pre"), GPT2_SPLIT)
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     steps = [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     if meta.get("tokenizer.ggml.pre") in DIGITS_FIRST:
         steps.insert(0, pre_tokenizers.Digits(individual_digits=True))

@@ -18,7 +18,7 @@ from butter_backend_mlx import settings
 
 # ggml types mx.load reads: F32, F16, Q4_0, Q4_1, Q8_0, BF16.
 GGUF_TYPES = frozenset({0, 1, 2, 3, 8, 30})
-GGUF_ARCHITECTURES = frozenset({"llama"})
+GGUF_ARCHITECTURES = frozenset({"llama", "qwen35", "qwen35moe"})
 GGUF_TOKENIZERS = frozenset({"gpt2"})
 
 
@@ -66,8 +66,9 @@ class MLXBackend:
                                  "types F32, F16, BF16, Q4_0, Q4_1 and Q8_0 only; this file has "
                                  "others (K-quants or i-quants): use --backend gguf")
         if header.architecture not in GGUF_ARCHITECTURES:
-            raise ModelLoadError(resolved.model_id, f"the MLX back end reads llama-family "
-                                 f"GGUFs, not {header.architecture!r}: use --backend gguf")
+            raise ModelLoadError(resolved.model_id, "the MLX back end reads GGUFs of "
+                                 f"{', '.join(sorted(GGUF_ARCHITECTURES))} only, not "
+                                 f"{header.architecture!r}: use --backend gguf")
         if header.tokenizer_model not in GGUF_TOKENIZERS:
             raise ModelLoadError(resolved.model_id, "the MLX back end reads byte-level BPE "
                                  f"(gpt2) vocabularies from GGUF, not "
