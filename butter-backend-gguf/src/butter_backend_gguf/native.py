@@ -351,6 +351,19 @@ def _cells(model: GGUFModel, types: CacheTypes, capacity: int, streams: int) -> 
     return max(capacity // streams, min(per_stream, model.info.n_ctx_train)) * streams
 
 
+TAIL_SNAPSHOT = 4  # a snapshot this many tokens before a prompt's end (llama-server's 4)
+
+
+def _tail_snapshot(end: int, every: int) -> int:
+    """Where a prompt ending at ``end`` gets its tail snapshot. Never one position either
+    side of a multiple of ``every``: that would leave a one-row piece, whose attention
+    takes another path than inside a longer piece once a stream holds 256 cells."""
+    at = end - TAIL_SNAPSHOT
+    if at % every in (1, every - 1):
+        at -= 1
+    return max(at, 0)
+
+
 class GGUFRuntime:
     """One llama.cpp context holding every session's KV, in one of two layouts.
 
@@ -490,6 +503,9 @@ class GGUFRuntime:
                 if len(item.tokens) == 1 and item.sampler is not None:
                     rows.append(index)
                     continue
+                if self._snapshots is not None and item.sampler is not None:
+                    results[index] = self._read_recurrent(item, item.tokens, sample=True)
+                    continue
                 body = item.tokens[:-1] if item.sampler is not None else item.tokens
                 self._prefill(item, body)
                 if item.sampler is not None:
@@ -576,13 +592,14 @@ class GGUFRuntime:
         prefix, costs only its own rows. Later positions go tiled, where long contexts
         attend faster; a tiled piece under 64 rows gets filler rows after it (later
         positions: causal attention hides them from the piece) whose cells go at once."""
+        if self._snapshots is not None:
+            self._read_recurrent(item, body)
+            return
         session = item.session
         done = 0
         while done < len(body):
             start = self._lengths[session]
-            if self._snapshots is not None:
-                piece = body[done:done + self._recurrent_piece(item, body[done:])]
-            elif start < ROW_BY_ROW_BELOW:
+            if start < ROW_BY_ROW_BELOW:
                 piece = body[done:done + min(FA_ROW_BY_ROW_MAX_ROWS, ROW_BY_ROW_BELOW - start)]
                 self._decode([item], [(item, piece, False)])
             else:
@@ -590,21 +607,36 @@ class GGUFRuntime:
                 self._tiled(item, piece)
             done += len(piece)
 
-    def _recurrent_piece(self, item: Work, rest: Sequence[int]) -> int:
-        """Feed ``rest``'s tokens up to the next multiple of the snapshot spacing, row by
-        row (no filler: filler rows would enter the recurrent state), and keep a snapshot
-        if the piece ends there. The pieces, and so the snapshots and every attention
-        path, fall where the absolute positions say: a prompt resumed from a snapshot is
-        read exactly as it was read whole. Return how many tokens were fed."""
+    def _read_recurrent(self, item: Work, tokens: Sequence[int], *,
+                        sample: bool = False) -> int | None:
+        """Feed ``tokens`` in pieces ending at multiples of the snapshot spacing, row by row
+        (no filler: filler rows would enter the recurrent state), keeping a snapshot at
+        each multiple; with ``sample``, draw from the last token's logits. The pieces, the
+        snapshots and every attention path fall where the absolute positions say, so a
+        prompt resumed from a snapshot is read exactly as it was read whole. A prompt's
+        last token goes with its piece, not with the one-token rows: its state is then
+        the same whether or not the prompt is later resumed past it.
+
+        A prompt's end also gets a snapshot ``TAIL_SNAPSHOT`` tokens before it, as
+        llama-server checkpoints 4 tokens before the end: a chat template renders the
+        generation prompt's last tokens differently once the answer is in the history
+        (``<think>\n`` becomes ``<think>\n\n...``), so the next round shares all but those."""
         session, snapshots = item.session, self._snapshots
-        start = self._lengths[session]
-        every = snapshots.every
-        piece = rest[:min((start // every + 1) * every - start, FA_ROW_BY_ROW_MAX_ROWS)]
-        self._decode([item], [(item, piece, False)])
-        end = start + len(piece)
-        if end % every == 0:
-            snapshots.take(session, end)
-        return len(piece)
+        every, done, token = snapshots.every, 0, None
+        end = self._lengths[session] + len(tokens)
+        tail = _tail_snapshot(end, every) if sample else 0
+        while done < len(tokens):
+            start = self._lengths[session]
+            stop = (start // every + 1) * every
+            stop = min(stop, tail) if tail > start else stop
+            piece = tokens[done:done + min(stop - start, FA_ROW_BY_ROW_MAX_ROWS)]
+            done += len(piece)
+            wants = sample and done == len(tokens)
+            (token,) = self._decode([item], [(item, piece, wants)])
+            reached = start + len(piece)
+            if reached % every == 0 or reached == tail:
+                snapshots.take(session, reached)
+        return token
 
     def _tiled(self, item: Work, piece: Sequence[int]) -> None:
         session = item.session

@@ -1,0 +1,202 @@
+"""Sessions on a hybrid model (the tiny Qwen3.5: Gated DeltaNet layers beside full
+attention), on the GGUF back end: fused steps, recurrent-state snapshots (SPEC 5).
+
+A recurrent state cannot be cut back, so a session keeps snapshots of it at positions
+that are multiples of ``SNAPSHOT_EVERY`` and a few tokens before a prompt's end; a later
+prompt sharing a prefix resumes from the last one inside it. What a user sees: tool
+rounds that resend the whole conversation report the previous prompt as cached (less
+the tokens the template renders otherwise), the tokens reported cached are the tokens
+not prefilled, and an answer is the same alone, fused with other requests and asked
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from helpers import notes
+
+SNAPSHOT_EVERY = 32  # butter_backend_gguf.recurrent.SNAPSHOT_EVERY
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_qwen35_gguf):
+    server = ServerProcess("--parallel", "4", "--max-context", "8192",
+                           model=str(tiny_qwen35_gguf))
+    server.model_id = server.models()[0]["id"]
+    yield server
+    server.stop()
+
+
+def tool_rounds(url: str, model: str, rounds: int = 5) -> list[tuple[int, int]]:
+    """A tool conversation resending every message each round; (prompt, cached) per round."""
+    messages = [{"role": "system", "content": "You are a travel assistant. Use tools."},
+                {"role": "user", "content": "Plan a trip to Lisbon, Porto, Madrid, Seville "
+                                            "and Valencia. Check the weather in each."}]
+    usage = []
+    with httpx.Client(timeout=300) as client:
+        for n in range(rounds):
+            response = client.post(f"{url}/chat/completions", json={
+                "model": model, "messages": messages, "tools": TOOLS,
+                "tool_choice": "required", "max_tokens": 40, "temperature": 0.0})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            usage.append((body["usage"]["prompt_tokens"],
+                          body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            message = body["choices"][0]["message"]
+            calls = message.get("tool_calls") or []
+            messages.append({"role": "assistant", "content": message.get("content") or "",
+                             "tool_calls": calls})
+            messages += [{"role": "tool", "tool_call_id": call["id"],
+                          "content": json.dumps({"forecast": "sunny", "high_c": 20 + n})}
+                         for call in calls]
+            if not calls:
+                messages.append({"role": "user", "content": "Go on."})
+    return usage
+
+
+def test_tool_rounds_reuse_the_previous_prompt_from_a_snapshot(hybrid) -> None:
+    before = hybrid.wait_idle()
+    usage = tool_rounds(hybrid.base_url, hybrid.model_id)
+    after = hybrid.wait_idle()
+    assert usage[0][1] == 0
+    for (previous, _), (prompt, cached) in zip(usage, usage[1:]):
+        assert prompt > previous
+        # The template renders the generation prompt's last token (``<think>\n``) otherwise
+        # once the answer is in the history: the prompts share all but it. Resumed from
+        # the last snapshot inside that, and at least from the tail snapshot 4 (or 5)
+        # tokens before the previous prompt's end.
+        assert cached >= (previous - 1) // SNAPSHOT_EVERY * SNAPSHOT_EVERY > 0, usage
+        assert previous - 5 <= cached < previous, usage
+    # Honest: the tokens reported cached are exactly the prompt tokens not prefilled.
+    prompts, cached = sum(p for p, _ in usage), sum(c for _, c in usage)
+    assert after["butter_prefill_tokens_total"] - before["butter_prefill_tokens_total"] \
+        == prompts - cached
+    assert after["butter_cached_tokens_total"] - before["butter_cached_tokens_total"] == cached
+
+
+SHORT = "Describe a lighthouse keeper's morning."
+LONG = notes(40, "the harbour") + "\nSummarise these notes."  # past 256 cells: split rows
+MODEL = "Qwen3.5-tiny-F16"  # the id butter gives the fixture's file
+MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
+
+
+async def ask(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+              sampling: dict) -> str:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "ignore_eos": True, **sampling}
+    response = await client.post(f"{url}/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    return (message.get("reasoning_content") or "") + "|" + (message.get("content") or "")
+
+
+async def scenario(url: str, prompt: str, sampling: dict) -> tuple[str, str, str]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        alone = await ask(client, url, prompt, 24, sampling)
+        others = [ask(client, url, notes(30, "the quay") + "\nSummarise.", 16,
+                      {"temperature": 0.8}),
+                  ask(client, url, "Explain how bread rises.", 24, {"temperature": 0.0}),
+                  ask(client, url, "Tell me about the first railway.", 24,
+                      {"temperature": 0.8, "seed": 7})]
+        fused, *_ = await asyncio.gather(ask(client, url, prompt, 24, sampling), *others)
+        again = await ask(client, url, prompt, 24, sampling)
+    return alone, fused, again
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "long"])
+def test_a_hybrid_answer_is_the_same_alone_fused_and_again(hybrid, prompt, mode) -> None:
+    assert hybrid.model_id == MODEL
+    before = hybrid.metrics()["butter_model_passes_total"]
+    alone, fused, again = asyncio.run(scenario(hybrid.base_url, prompt, MODES[mode]))
+    assert fused == alone
+    assert again == alone
+    # Fused: four requests' decode rows share passes (fewer passes than one per row).
+    assert hybrid.metrics()["butter_model_passes_total"] - before < 3 * 24 + 16 + 24
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_qwen35_gguf):
+    from butter.backend import KVSpec
+    from butter.library import default_plugins
+
+    plugins = default_plugins()
+    model = plugins.backends["gguf"].load(plugins.resolve(str(tiny_qwen35_gguf)), threads=2)
+    runtime = model.create_runtime(kv=KVSpec(), capacity=4096, n_sessions=3, max_batch=512,
+                                   options={"kv_layout": "per-session"})
+    yield model, runtime
+    runtime.close()
+    model.close()
+
+
+def read(runtime, session: int, tokens: list[int], cuts: list[int] = (), *,
+         answer: int = 4) -> list:
+    """Feed the rest of ``tokens`` after what ``session`` holds, in chunks ending at ``cuts``
+    and multiples of 256 (as the engine cuts them), draw ``answer`` greedy tokens; return
+    every draw's log-probabilities."""
+    from butter.backend import SamplingParams, Work
+
+    sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0,
+                                                 logprobs=5))
+    try:
+        start = runtime._lengths[session]
+        ends = sorted(e for e in {*cuts, *range(256, len(tokens), 256), len(tokens)}
+                      if e > start)
+        drawn = []
+        for end in ends:
+            last = end == len(tokens)
+            (token,) = runtime.step([Work(session, tokens[start:end],
+                                          sampler if last else None)])
+            start = end
+        drawn.append(sampler.last)
+        while len(drawn) < answer:
+            (token,) = runtime.step([Work(session, (token,), sampler)])
+            drawn.append(sampler.last)
+        return drawn
+    finally:
+        sampler.close()
+
+
+def test_a_prompt_resumed_from_a_snapshot_reads_as_it_did_whole(runtime) -> None:
+    """Cut anywhere, resumed from a snapshot, or forked from another session at one: the
+    rest of the prompt computes the same log-probabilities as one uncut read, to the bit."""
+    model, runtime = runtime
+    tokens = model.tokenize(LONG * 2, add_special=False, parse_special=False)[:700]
+    runtime.truncate(0, 0)
+    whole = read(runtime, 0, tokens)
+    for cut in (9, 100, 250, 300, 505):
+        runtime.truncate(1, 0)
+        assert read(runtime, 1, tokens, [cut]) == whole, cut
+    for keep in (650, 600, 300, 40):
+        runtime.truncate(1, 0)
+        read(runtime, 1, tokens)
+        at = runtime.reachable(1, keep)
+        assert at % SNAPSHOT_EVERY == 0 and keep - 8 * SNAPSHOT_EVERY < at <= keep
+        assert runtime.truncate(1, at)
+        assert read(runtime, 1, tokens) == whole, keep
+    for length in (640, 256):
+        at = runtime.reachable(0, length)
+        assert at == length and runtime.fork(0, 2, at)
+        assert read(runtime, 2, tokens) == whole, length
+    assert runtime.truncate(0, 0) and runtime.reachable(0, 500) == 0
+    assert not runtime.truncate(1, 33)  # no snapshot there: nothing dropped
+
+
+def test_admission_counts_the_snapshots(runtime) -> None:
+    _, runtime = runtime
+    kv = runtime.kv
+    assert kv.snapshot_bytes > 0 and kv.snapshots >= 1
+    assert kv.cost(5 * SNAPSHOT_EVERY) - kv.cost(5 * SNAPSHOT_EVERY - 1) \
+        == kv.token_bytes + kv.snapshot_bytes
+    held = kv.cost(100 * SNAPSHOT_EVERY) - 100 * SNAPSHOT_EVERY * kv.token_bytes
+    assert held == kv.snapshots * kv.snapshot_bytes
