@@ -14,7 +14,7 @@ import pytest
 from conftest import free_port
 
 from butter import ButterServeBackend, Model, ModelLoader, ResidentServeBackend, ServeServer
-from butter.errors import InternalError
+from butter.errors import InternalError, InvalidRequestError
 
 QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
 
@@ -32,6 +32,15 @@ def test_generate(model):
     assert result.usage.prompt_tokens == 37 and result.usage.completion_tokens > 0
     again = model.generate(QUESTION, max_tokens=24, temperature=0)
     assert again.text == result.text and again.usage.cached_tokens == 36
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("temperature", 5), ("top_p", -1), ("frequency_penalty", 3), ("max_tokens", 0),
+    ("logit_bias", {1: 500}), ("min_p", 2)])
+def test_generate_checks_its_options_as_http_does(model, option, value):
+    with pytest.raises(InvalidRequestError) as raised:
+        model.generate("Hi", **{option: value})
+    assert raised.value.param == option
 
 
 def test_generate_raw_prompt_and_seed(model):

@@ -28,15 +28,15 @@ from butter.backend import (
     ModelInfo,
     check_options,
 )
-from butter.chat.answer import AnswerReader
+from butter.chat.answer import Answer, AnswerReader
 from butter.chat.grammar import grammar_for
 from butter.chat.guard import TextGuard
 from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.recovery import ContentDelta, ReasoningDelta, StreamParser, ToolCall
-from butter.chat.request import DEFAULT_TEMPERATURE, ChatRequest, parse_messages, parse_tools
+from butter.chat.request import ChatRequest, generation_params, parse_messages, parse_tools
 from butter.chat.template import ChatTemplate
 from butter.engine.constraint import Constraint, Grammars
-from butter.engine.events import Failed, Finished, SyncChannel, TextDelta
+from butter.engine.events import SyncChannel
 from butter.engine.records import Request
 from butter.engine.scheduler import Engine, EngineConfig
 from butter.errors import (
@@ -284,49 +284,26 @@ class Model:
         unknown = set(options) - GENERATE_OPTIONS
         if unknown:  # an option the library would not honour is an error, not a no-op
             raise TypeError(f"generate() got unknown options {sorted(unknown)}")
-        stop = options.get("stop") or ()
-        params = GenerationParams(
-            max_tokens=options.get("max_tokens"),
-            temperature=float(options.get("temperature", DEFAULT_TEMPERATURE)),
-            top_p=float(options.get("top_p", 1.0)),
-            seed=options.get("seed"),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            ignore_eos=bool(options.get("ignore_eos", False)),
-            min_tokens=int(options.get("min_tokens", 0)),
-            top_k=int(options.get("top_k", 40)),
-            frequency_penalty=float(options.get("frequency_penalty", 0.0)),
-            presence_penalty=float(options.get("presence_penalty", 0.0)),
-            repetition_penalty=float(options.get("repetition_penalty", 1.0)),
-            logit_bias=tuple(sorted((int(t), float(b))
-                                    for t, b in (options.get("logit_bias") or {}).items())),
-            min_p=float(options.get("min_p", 0.0)),
-        )
+        # The parameter builder HTTP uses: the same defaults and the same range checks.
+        bias = options.get("logit_bias")
+        body = dict(options, logit_bias={str(t): b for t, b in bias.items()}) \
+            if isinstance(bias, dict) else options
+        params = generation_params(body, max_tokens_keys=("max_tokens",), stop_key="stop")
         self.check_params(params)
         prepared = self._prompt(messages_or_prompt, options, params)
-        reader = prepared.reader
+        answer = Answer(prepared.reader)
         channel = SyncChannel()
         request = Request(prepared.tokens, params, channel, prepared.constraint)
         engine = self.engine
         engine.submit(request)
-        finished = False
         try:
-            yield from _chunks(reader.start())
-            while True:
-                event = channel.get()
-                if isinstance(event, TextDelta):
-                    yield from _chunks(reader.feed(event.text))
-                elif isinstance(event, Finished):
-                    finished = True
-                    yield from _chunks(reader.finish())
-                    calls.extend(reader.tool_calls)
-                    reason = "tool_calls" if reader.tool_calls else event.reason
-                    yield StreamChunk(finish_reason=reason, usage=event.usage)
-                    return
-                elif isinstance(event, Failed):
-                    finished = True
-                    raise event.error
+            yield from _chunks(answer.start())
+            while not answer.done:
+                yield from _chunks(answer.on(channel.get()))
+            calls.extend(answer.tool_calls)
+            yield StreamChunk(finish_reason=answer.finish_reason, usage=answer.usage)
         finally:
-            if not finished:
+            if not answer.done:
                 engine.cancel(request)
 
     # ---- lifetime ----------------------------------------------------------------

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from butter.backend import KVSpec
-from butter.chat.answer import AnswerReader
+from butter.chat.answer import Answer, AnswerReader
 from butter.chat.recovery import Delta, ToolCall
 from butter.chat.request import ChatRequest
-from butter.engine.events import Admitted, AsyncChannel, Failed, Finished, TextDelta
+from butter.engine.events import Admitted, AsyncChannel, Failed
 from butter.engine.records import Request
 from butter.errors import (
     ButterError,
@@ -25,7 +25,7 @@ from butter.errors import (
     ModelNotFoundError,
     RequestAbortedError,
 )
-from butter.generation import LogprobsDelta, Usage
+from butter.generation import Usage
 from butter.hub import SharedDownloads, download
 
 if TYPE_CHECKING:
@@ -48,13 +48,10 @@ class Generation:
         self._backend = backend
         self._request = request
         self._channel = channel
-        self._reader = reader
+        self._answer = Answer(reader)
         self.id = request.id
         self.created = int(time.time())
         self.prompt_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_sequence: str | None = None  # which of the request's stop strings ended it
-        self.usage: Usage | None = None
         self._done = False
 
     async def admitted(self) -> None:
@@ -67,31 +64,32 @@ class Generation:
         self.prompt_tokens = event.prompt_tokens
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        reader = self._reader
-        for delta in reader.start():
+        answer = self._answer
+        for delta in answer.start():
             yield delta
-        while True:
-            event = await self._channel.get()
-            if isinstance(event, TextDelta):
-                if event.logprobs:
-                    yield LogprobsDelta(event.logprobs)
-                for delta in reader.feed(event.text):
+        try:
+            while not answer.done:
+                for delta in answer.on(await self._channel.get()):
                     yield delta
-            elif isinstance(event, Finished):
-                self._done = True
-                for delta in reader.finish():
-                    yield delta
-                self.usage = event.usage
-                self.stop_sequence = event.stop_sequence
-                self.finish_reason = "tool_calls" if reader.tool_calls else event.reason
-                return
-            elif isinstance(event, Failed):
-                self._done = True
-                raise event.error
+        finally:
+            self._done = self._done or answer.done
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._answer.finish_reason
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """Which of the request's stop strings ended it."""
+        return self._answer.stop_sequence
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._answer.usage
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        return self._reader.tool_calls
+        return self._answer.tool_calls
 
     def cancel(self) -> None:
         if not self._done:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from butter.chat.prompt import PromptPlan
 from butter.chat.recovery import ContentDelta, Delta, StreamParser, ToolCall, ToolCallStart
+from butter.engine.events import Failed, Finished, TextDelta
+from butter.generation import LogprobsDelta, Usage
 
 
 class AnswerReader:
@@ -62,3 +64,43 @@ class AnswerReader:
     @property
     def tool_calls(self) -> list[ToolCall]:
         return self._parser.tool_calls
+
+
+class Answer:
+    """One request's engine events read as deltas: the answer loop the server
+    (``serving.Generation``) and the library (``Model.generate``) both run.
+
+    ``start()`` first, then ``on(event)`` for each event until ``done``; a failure raises
+    its error. Afterwards ``finish_reason``, ``stop_sequence``, ``usage`` and
+    ``tool_calls`` say how it ended."""
+
+    def __init__(self, reader: AnswerReader) -> None:
+        self._reader = reader
+        self.done = False
+        self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.usage: Usage | None = None
+
+    def start(self) -> list[Delta]:
+        return self._reader.start()
+
+    def on(self, event: object) -> list[Delta]:
+        """The deltas ``event`` yields (none for an admission)."""
+        if isinstance(event, TextDelta):
+            deltas: list[Delta] = [LogprobsDelta(event.logprobs)] if event.logprobs else []
+            return deltas + self._reader.feed(event.text)
+        if isinstance(event, Finished):
+            self.done = True
+            deltas = self._reader.finish()
+            self.usage = event.usage
+            self.stop_sequence = event.stop_sequence
+            self.finish_reason = "tool_calls" if self._reader.tool_calls else event.reason
+            return deltas
+        if isinstance(event, Failed):
+            self.done = True
+            raise event.error
+        return []
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self._reader.tool_calls
