@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from butter.chat.request import MAX_JSON_DEPTH, parse_json_body
 from butter.errors import InvalidRequestError
 from butter.wire.anthropic import parse_messages_request
+from butter.wire.fields import MAX_JSON_DEPTH, parse_json_body
 from butter.wire.openai import parse_chat_completion
 
 USER = [{"role": "user", "content": "hi"}]

@@ -5,7 +5,6 @@ import json
 import pytest
 from litestar.exceptions import NotFoundException
 
-from butter.chat.request import parse_json_body
 from butter.errors import (
     ContextLengthExceededError,
     InternalError,
@@ -14,6 +13,7 @@ from butter.errors import (
 )
 from butter.http.common import sse
 from butter.http.errors import anthropic_body, as_butter_error, error_body, openai_body
+from butter.wire.fields import parse_json_body
 from butter.wire.openai import parse_chat_completion
 
 

@@ -33,7 +33,7 @@ from butter.chat.grammar import grammar_for
 from butter.chat.guard import TextGuard
 from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.recovery import ContentDelta, ReasoningDelta, StreamParser, ToolCall
-from butter.chat.request import ChatRequest, generation_params, parse_messages, parse_tools
+from butter.chat.request import ChatRequest, parse_messages, parse_tools
 from butter.chat.template import ChatTemplate
 from butter.engine.constraint import Constraint, Grammars
 from butter.engine.events import SyncChannel
@@ -50,6 +50,7 @@ from butter.generation import GenerationParams, Usage
 from butter.hub import HubId, download, parse_hub_id
 from butter.plugins import Plugins, build_plugins
 from butter.resolve import ResolvedModel
+from butter.wire.fields import generation_params
 
 GENERATE_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop", "tools",
                               "chat", "ignore_eos", "min_tokens", "top_k", "frequency_penalty",

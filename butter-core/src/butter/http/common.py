@@ -13,9 +13,9 @@ from litestar import Request
 from litestar.di import NamedDependency
 from litestar.exceptions import InternalServerException
 
-from butter.chat.request import parse_json_body
 from butter.errors import ClientDisconnectedError
 from butter.serving import Generation, ServeBackend
+from butter.wire.fields import parse_json_body
 
 log = logging.getLogger("butter.http")
 

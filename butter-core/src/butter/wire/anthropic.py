@@ -32,9 +32,10 @@ from butter.chat.recovery import (
     ToolCallArguments,
     ToolCallStart,
 )
-from butter.chat.request import ChatRequest, ToolChoice, content_text, generation_params
+from butter.chat.request import ChatRequest, ToolChoice, content_text
 from butter.errors import InvalidRequestError
 from butter.generation import Usage
+from butter.wire.fields import generation_params
 
 MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1 (OpenAI's is 0..2)
 

@@ -21,17 +21,13 @@ from butter.chat.request import (
     RESERVED_TEMPLATE_KWARGS,
     ChatRequest,
     ToolChoice,
-    _boolean,
-    _check_text,
-    _integer,
-    _object,
-    generation_params,
     parse_messages,
     parse_response_format,
     parse_tools,
 )
 from butter.errors import InvalidRequestError
 from butter.generation import Logprob, LogprobsDelta, TokenChoice, Usage
+from butter.wire.fields import boolean, check_text, generation_params, integer, json_object
 
 MAX_CHOICES = 16  # n (times prompts) per request: each choice is a session's work
 COMPLETION_MAX_TOKENS = 16  # the legacy endpoint's documented default
@@ -45,9 +41,9 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
         raise InvalidRequestError("`model` must be a string.", param="model")
     n = _choices(body)
     logprobs = _chat_logprobs(body)
-    stream = bool(_boolean(body, "stream"))
-    stream_options = _object(body, "stream_options")
-    kwargs = _object(body, "chat_template_kwargs")
+    stream = bool(boolean(body, "stream"))
+    stream_options = json_object(body, "stream_options")
+    kwargs = json_object(body, "chat_template_kwargs")
     effort = body.get("reasoning_effort")
     if effort is not None and effort not in ("low", "medium", "high", "minimal", "none"):
         raise InvalidRequestError("`reasoning_effort` must be low, medium or high.",
@@ -78,7 +74,7 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatRequest:
 
 
 def _choices(body: Mapping[str, Any]) -> int:
-    n = _integer(body, "n", low=1)
+    n = integer(body, "n", low=1)
     if n is not None and n > MAX_CHOICES:
         raise InvalidRequestError(f"`n` must be at most {MAX_CHOICES}.", param="n")
     return n or 1
@@ -94,12 +90,12 @@ def parse_completion(body: Mapping[str, Any]) -> list[ChatRequest]:
     if suffix is not None:
         if not isinstance(suffix, str):
             raise InvalidRequestError("`suffix` must be a string.", param="suffix")
-        _check_text(suffix, "suffix")
+        check_text(suffix, "suffix")
         if any(not isinstance(p, str) for p in prompts):
             raise InvalidRequestError("`suffix` needs a text `prompt`.", param="suffix")
-    if _boolean(body, "echo") and any(not isinstance(p, str) for p in prompts):
+    if boolean(body, "echo") and any(not isinstance(p, str) for p in prompts):
         raise InvalidRequestError("`echo` needs a text `prompt`.", param="echo")
-    best_of = _integer(body, "best_of", low=1)
+    best_of = integer(body, "best_of", low=1)
     if best_of is not None and best_of > 1:
         raise InvalidRequestError("`best_of` above 1 is not supported by this server.",
                                   param="best_of")
@@ -112,9 +108,9 @@ def parse_completion(body: Mapping[str, Any]) -> list[ChatRequest]:
                           logprobs=_completion_logprobs(body))
     if body.get("max_tokens") is None:
         params = attrs.evolve(params, max_tokens=COMPLETION_MAX_TOKENS)
-    stream = bool(_boolean(body, "stream"))
-    include_usage = bool(_object(body, "stream_options").get("include_usage"))
-    echo = bool(_boolean(body, "echo"))
+    stream = bool(boolean(body, "stream"))
+    include_usage = bool(json_object(body, "stream_options").get("include_usage"))
+    echo = bool(boolean(body, "echo"))
     response_format = parse_response_format(body.get("response_format"))
     return [ChatRequest(messages=[], params=params, model=model, stream=stream,
                         include_usage=include_usage, n=n, echo=echo,
@@ -136,7 +132,7 @@ def _prompts(value: Any) -> list[str | tuple[int, ...]]:
     prompts: list[str | tuple[int, ...]] = []
     for index, prompt in enumerate(value):
         if isinstance(prompt, str):
-            _check_text(prompt, f"prompt[{index}]")
+            check_text(prompt, f"prompt[{index}]")
             prompts.append(prompt)
         elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
             prompts.append(tuple(prompt))
@@ -174,8 +170,8 @@ def combined_usage(per_prompt: list[list[Usage | None]]) -> Usage:
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     """``logprobs`` / ``top_logprobs`` (0-20): None, or how many alternatives per token."""
-    wanted = _boolean(body, "logprobs")
-    top = _integer(body, "top_logprobs", low=0)
+    wanted = boolean(body, "logprobs")
+    top = integer(body, "top_logprobs", low=0)
     if top is not None and top > MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}.",
                                   param="top_logprobs")
@@ -187,11 +183,11 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 
 def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
     """The legacy ``logprobs``: how many alternatives per token, 0-5."""
-    top = _integer(body, "logprobs", low=0)
+    top = integer(body, "logprobs", low=0)
     if top is not None and top > MAX_LEGACY_LOGPROBS:
         raise InvalidRequestError(f"`logprobs` must be between 0 and {MAX_LEGACY_LOGPROBS}.",
                                   param="logprobs")
-    if top is not None and _boolean(body, "echo"):
+    if top is not None and boolean(body, "echo"):
         raise InvalidRequestError("`echo` with `logprobs` would need the prompt's "
                                   "log-probabilities, which this server does not compute.",
                                   param="echo")
