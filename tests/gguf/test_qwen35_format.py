@@ -356,3 +356,15 @@ def test_no_markup_reaches_content_at_any_cut(qwen35: str) -> None:
                    if type(d).__name__ == "ContentDelta")
     assert [c.name for c in reader.tool_calls] == ["get_weather", "get_time"]
     assert json.loads(reader.tool_calls[0].arguments) == ARGUMENTS
+
+
+def test_names_the_xml_format_cannot_carry_are_refused(qwen35: str) -> None:
+    from butter.errors import InvalidRequestError
+
+    spaced = {"type": "object", "properties": {"the city": {"type": "string"}}}
+    request = chat(tools=[{"type": "function", "function": {"name": "get_weather",
+                                                            "parameters": spaced}}],
+                   tool_choice=ToolChoice("required"), enable_thinking=False)
+    with pytest.raises(InvalidRequestError, match="the city") as raised:
+        grammar_for(request, build_prompt(request, ChatTemplate(qwen35)))
+    assert raised.value.param == "tools"

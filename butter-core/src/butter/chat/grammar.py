@@ -37,6 +37,7 @@ from butter.chat.recovery import THINK_CLOSE
 from butter.chat.request import ChatRequest
 from butter.chat.toolformats import QWEN3_CODER, value_types
 from butter.engine.constraint import JSON_STYLE, GrammarSpec
+from butter.errors import InvalidRequestError
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
@@ -136,7 +137,9 @@ def _xml_rules(tools: list[dict[str, Any]]) -> list[str]:
         required = parameters.get("required")
         required = set(required) if isinstance(required, list) else set()
         parts = []
+        _check_tag_name(tool["name"], "tool name")
         for j, (name, schema) in enumerate(properties.items()):
+            _check_tag_name(name, f"parameter name of `{tool['name']}`")
             rule = f"fn{i}_p{j}"
             value, extra = _xml_value(schema, parameters, f"{rule}_v")
             uses_string = uses_string or value == "xml_string"
@@ -175,6 +178,15 @@ def _xml_value(schema: Any, root: Mapping[str, Any], rule: str) -> tuple[str, li
         return "xml_string", []
     bound = f"{low},{'' if high is None else high}"
     return rule, [f"{rule}[lazy]: /(?s:.{{{bound}}})\\n<\\/parameter>\\n/"]
+
+
+def _check_tag_name(name: str, what: str) -> None:
+    """``<function=NAME>`` and ``<parameter=NAME>`` hold no space or angle bracket: a call
+    written with one could not be read back, so it is refused rather than never parsed."""
+    if not name or any(ch.isspace() or ch in "<>" for ch in name):
+        raise InvalidRequestError(f"The {what} {name!r} cannot be written in this model's "
+                                  "XML tool-call format (no spaces or angle brackets).",
+                                  param="tools")
 
 
 def _is_count(value: Any) -> bool:
