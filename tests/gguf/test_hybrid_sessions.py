@@ -13,19 +13,14 @@ again.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 from conftest import ServerProcess
 from helpers import notes
+from support.conversations import tool_rounds
 
 SNAPSHOT_EVERY = 32  # butter_backend_gguf.recurrent.SNAPSHOT_EVERY
-
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -35,33 +30,6 @@ def hybrid(tiny_qwen35_gguf):
     server.model_id = server.models()[0]["id"]
     yield server
     server.stop()
-
-
-def tool_rounds(url: str, model: str, rounds: int = 5) -> list[tuple[int, int]]:
-    """A tool conversation resending every message each round; (prompt, cached) per round."""
-    messages = [{"role": "system", "content": "You are a travel assistant. Use tools."},
-                {"role": "user", "content": "Plan a trip to Lisbon, Porto, Madrid, Seville "
-                                            "and Valencia. Check the weather in each."}]
-    usage = []
-    with httpx.Client(timeout=300) as client:
-        for n in range(rounds):
-            response = client.post(f"{url}/chat/completions", json={
-                "model": model, "messages": messages, "tools": TOOLS,
-                "tool_choice": "required", "max_tokens": 40, "temperature": 0.0})
-            assert response.status_code == 200, response.text
-            body = response.json()
-            usage.append((body["usage"]["prompt_tokens"],
-                          body["usage"]["prompt_tokens_details"]["cached_tokens"]))
-            message = body["choices"][0]["message"]
-            calls = message.get("tool_calls") or []
-            messages.append({"role": "assistant", "content": message.get("content") or "",
-                             "tool_calls": calls})
-            messages += [{"role": "tool", "tool_call_id": call["id"],
-                          "content": json.dumps({"forecast": "sunny", "high_c": 20 + n})}
-                         for call in calls]
-            if not calls:
-                messages.append({"role": "user", "content": "Go on."})
-    return usage
 
 
 def test_tool_rounds_reuse_the_previous_prompt_from_a_snapshot(hybrid) -> None:

@@ -91,19 +91,20 @@ def test_other_gguf_quant_types_are_refused_with_a_reason(tmp_path):
     assert backend.precheck(ResolvedModel(model_id="q8", path=plain, format="gguf"))
 
 
-def test_a_recurrent_hybrid_rebuilds_instead_of_trimming(hybrid_folder):
+def test_a_recurrent_hybrid_resumes_from_a_state_snapshot(hybrid_folder):
     with Model.load(str(hybrid_folder)) as model:
         info = model.info
-        assert not info.can_rewind and not info.fusable
+        assert not info.can_rewind and info.fusable
         first = model.generate(QUESTIONS[0], max_tokens=6, temperature=0, ignore_eos=True)
-        # Another question shares the template's opening: the state cannot be cut back to
-        # it, so the session is rebuilt and the answer is what a fresh session gives.
         other = model.generate(QUESTIONS[1], max_tokens=6, temperature=0, ignore_eos=True)
-        assert other.usage.cached_tokens == 0
+        # The same question again shares all but its last prompt token: the state cannot be
+        # cut back there, but a snapshot 4 tokens before the prompt's end resumes it.
         again = model.generate(QUESTIONS[0], max_tokens=6, temperature=0, ignore_eos=True)
         assert again.text == first.text
+        assert other.usage.cached_tokens < first.usage.prompt_tokens - 4 \
+            == again.usage.cached_tokens
         runtime = model.engine._runtime
-        assert runtime.kv.fork.value == "none" and runtime.kv.truncate.value == "never"
+        assert runtime.kv.fork.value == "copy" and runtime.kv.truncate.value == "snapshots"
 
 
 def test_a_cached_hub_id_loads_the_folder(tmp_path, monkeypatch, mlx_folder):

@@ -67,7 +67,9 @@ class MLXModel:
             if checkpoint.eos_ids else "",
             add_bos=self._add_bos,
             can_rewind=attention_only and not windowed,
-            fusable=attention_only,
+            # Hybrids too: ArraysCache rows merge, extend, filter and extract as
+            # BatchKVCache's do, so recurrent sessions share passes.
+            fusable=all(type(c) in (KVCache, ArraysCache) for c in caches),
             description=description,
             control_tokens=tuple(t for i in sorted(self._control)
                                  if (t := vocab.id_to_token(i))),

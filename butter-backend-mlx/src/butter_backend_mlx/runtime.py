@@ -17,6 +17,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -35,6 +36,7 @@ from butter.kvcodec import RAW, KVCodec
 from butter.sampling import allowed_tokens, token_logprob
 from butter_backend_mlx.kvcache import CodecKVCache, install_attention, unsupported
 from butter_backend_mlx.settings import CPU_PREFILL_STEP, DECODE_PATHS, OPTION_NAMES
+from butter_backend_mlx.snapshots import Snapshots, capture, recurrent, restored, state_bytes
 
 if TYPE_CHECKING:
     from butter_backend_mlx.model import MLXModel
@@ -207,13 +209,31 @@ class MLXRuntime:
         if kv.window is not None:  # a prompt fits the window; an answer runs past it
             max_positions = kv.window
             truncate = TruncateKind.UNTIL_WRAP
+        fork = ForkKind.COPY if rewinds else ForkKind.NONE
+        self._snapshots: Snapshots | None = None
+        snapshot: dict[str, int] = {}
+        if kv.window is None and recurrent(make_prompt_cache(self._network)):
+            # Recurrent state (a hybrid's ArraysCache layers): snapshots to resume from.
+            self._snapshots = Snapshots(n_sessions)
+            snapshot = {"snapshot_bytes": self._measure_state(),
+                        "snapshots": self._snapshots.limit,
+                        "snapshot_every": self._snapshots.every}
+            budget += n_sessions * snapshot["snapshots"] * snapshot["snapshot_bytes"]
+            fork, truncate = ForkKind.COPY, TruncateKind.SNAPSHOTS
         self.kv = KVFacts(budget_bytes=budget, token_bytes=token_bytes,
-                          max_positions=max_positions,
-                          fork=ForkKind.COPY if rewinds else ForkKind.NONE,
-                          truncate=truncate, window=kv.window, granule=GRANULE)
+                          max_positions=max_positions, fork=fork,
+                          truncate=truncate, window=kv.window, granule=GRANULE, **snapshot)
         if kv.window is not None and self.kv.cost(kv.window) > budget:
             raise InvalidRequestError(f"A {kv.window}-token window needs more KV memory than "
                                       f"the {capacity}-token budget holds.")
+
+    def _measure_state(self) -> int:
+        """Bytes of one session's recurrent state, measured on one token."""
+        caches = make_prompt_cache(self._network)
+        self._network(mx.array([[0]]), cache=caches)
+        state = capture(caches)
+        mx.eval([a for layer in state if layer for a in layer if a is not None])
+        return state_bytes(state)
 
     # ---- steps ---------------------------------------------------------------------
 
@@ -227,6 +247,8 @@ class MLXRuntime:
             raise StepFailedError(f"MLX step failed: {type(exc).__name__}: {exc}") from exc
 
     def _step(self, work: Sequence[Work]) -> list[int | None]:
+        if self._snapshots is not None:
+            work = [self._read_head(item) for item in work]
         results: list[int | None] = [None] * len(work)
         decode = [i for i, item in enumerate(work)
                   if len(item.tokens) == 1 and item.sampler is not None
@@ -246,7 +268,29 @@ class MLXRuntime:
             else:
                 for i in indices:
                     self._single_pass(work[i], i, results)
+        if self._snapshots is not None:  # prefill chunks that end at a multiple
+            for i in rest:
+                if len(work[i].tokens) > 1 or work[i].sampler is None:
+                    self._snapshot(work[i].session)
         return results
+
+    def _read_head(self, item: Work) -> Work:
+        """A prompt's last chunk up to its tail snapshot, fed now and snapshotted; the
+        rest of the chunk is returned to run with the step (see ``snapshots``)."""
+        start = self._lengths[item.session]
+        tail = self._snapshots.tail(start + len(item.tokens))
+        if item.sampler is None or tail <= start or tail % self._snapshots.every == 0:
+            return item
+        self._single_pass(Work(item.session, item.tokens[:tail - start]), -1, [])
+        self._snapshot(item.session, anywhere=True)
+        return attrs.evolve(item, tokens=item.tokens[tail - start:])
+
+    def _snapshot(self, session: int, *, anywhere: bool = False) -> None:
+        """Keep ``session``'s recurrent state after a prefill pass that ended at a multiple
+        of the spacing (or ``anywhere``: a prompt's tail)."""
+        length, caches = self._lengths[session], self._caches[session]
+        if caches is not None and (anywhere or length % self._snapshots.every == 0):
+            self._snapshots.take(session, length, caches)
 
     def _single_pass(self, item: Work, index: int, results: list[int | None]) -> None:
         self._leave_batch(item.session)
@@ -347,18 +391,39 @@ class MLXRuntime:
         length = self._lengths[session]
         if keep >= length:
             return True
-        if keep > 0 and not self.kv.can_truncate(length, keep):
+        if self._snapshots is not None:
+            if keep > 0 and self._snapshots.get(session, keep) is None:
+                return False
+        elif keep > 0 and not self.kv.can_truncate(length, keep):
             return False
         self._cut(session, keep)
         return True
+
+    def reachable(self, session: int, keep: int) -> int:
+        length = self._lengths[session]
+        if keep >= length:
+            return length
+        if self._snapshots is not None:
+            return self._snapshots.last_at_or_below(session, keep)
+        return keep if self.kv.can_truncate(length, keep) else 0
 
     def _cut(self, session: int, keep: int) -> None:
         self._leave_batch(session)
         length = self._lengths[session]
         caches = self._caches[session]
+        snapshots = self._snapshots
+        state = snapshots.get(session, keep) if snapshots and keep < length else None
+        if snapshots is not None and keep < length and state is None:
+            keep = 0  # recurrent state with no snapshot there: only dropping it works
         if keep == 0 or caches is None:
             self._caches[session] = None
             self._lengths[session] = 0
+            if snapshots is not None:
+                snapshots.forget(session)
+        elif state is not None:
+            self._caches[session] = restored(caches, state, length, keep, None)
+            self._lengths[session] = keep
+            snapshots.forget(session, after=keep)
         elif keep < length:
             for cache in caches:
                 cache.trim(length - keep)
@@ -371,7 +436,16 @@ class MLXRuntime:
             return False  # its window dropped positions a shorter copy would need
         self._leave_batch(source)
         self._leave_batch(target)
-        copies = [_prefix(cache, length) for cache in self._caches[source] or ()]
+        caches = self._caches[source] or []
+        if self._snapshots is not None:
+            whole = length == self._lengths[source]
+            state = capture(caches) if whole else self._snapshots.get(source, length)
+            if state is None:
+                return False
+            copies = restored(caches, state, self._lengths[source], length, _prefix)
+            self._snapshots.share(source, target, length)
+        else:
+            copies = [_prefix(cache, length) for cache in caches]
         mx.eval([c.state for c in copies if not c.empty()])
         self._caches[target] = copies if length else None
         self._lengths[target] = length
@@ -383,7 +457,8 @@ class MLXRuntime:
                 "kv_granule": GRANULE, "caches": sorted(self._model.cache_kinds),
                 "kv_codec": codec,
                 "kv_decode_path": "dequant-mirror" if self._mirror else "compressed",
-                "kv_window": self._window, "kv_window_keep": self._keep}
+                "kv_window": self._window, "kv_window_keep": self._keep,
+                "state_snapshots": self._snapshots.limit if self._snapshots else 0}
 
     def close(self) -> None:
         self._caches = [None] * self.n_sessions
