@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import openai
 import pytest
 from conftest import ServerProcess
@@ -58,5 +59,12 @@ def test_a_server_answers_chat_on_the_gguf(request, fixture):
         assert text and streamed_text == text
         again = plain()
         assert again.choices[0].message.model_dump() == said
+        message = anthropic.Anthropic(base_url=server.root, api_key="x", max_retries=0,
+                                      timeout=120).messages.create(
+            model=served["id"], max_tokens=6, messages=MESSAGES)
+        assert message.stop_reason == "max_tokens"
+        assert message.usage.output_tokens == 6
+        read = message.usage.cache_read_input_tokens or 0  # input_tokens counts the rest
+        assert message.usage.input_tokens + read == reply.usage.prompt_tokens
     finally:
         server.stop()

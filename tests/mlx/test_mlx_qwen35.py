@@ -71,6 +71,7 @@ def test_the_folder_loads_with_its_nested_settings(tiny_qwen35_folder):
                                      "tiny_qwen35_gguf_q4"])
 def test_a_server_answers_chat_on_the_folder(request, fixture):
     """Two clients at once, one streaming, through ``butter serve --backend mlx``."""
+    import anthropic
     import openai
     from conftest import ServerProcess
 
@@ -103,6 +104,13 @@ def test_a_server_answers_chat_on_the_folder(request, fixture):
         assert finishes[-1] == "length"
         assert chunks[-1].usage.completion_tokens == 6
         assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+        message = anthropic.Anthropic(base_url=server.root, api_key="x", max_retries=0,
+                                      timeout=120).messages.create(
+            model=served["id"], max_tokens=6, messages=messages)
+        assert message.stop_reason == "max_tokens"
+        assert message.usage.output_tokens == 6
+        read = message.usage.cache_read_input_tokens or 0  # input_tokens counts the rest
+        assert message.usage.input_tokens + read == reply.usage.prompt_tokens
     finally:
         server.stop()
 
