@@ -5,39 +5,31 @@ So these tests prove what the grammar and the reader make of the model's own tem
 the call comes out in Qwen3-Coder XML (the format Qwen3.5's template teaches), parses,
 and carries arguments typed by the tool's schema; an answer to a template that opened
 ``<think>`` is reasoning; ``enable_thinking: false`` and ``--no-enable-thinking`` give
-content. Each schema bounds its values (enums, ranges, ``maxLength``, ``maxItems``), as a
-random model would otherwise write a string until ``max_tokens``.
+content. The tools and checks are in ``tests/support/qwen35_calls.py``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import anthropic
-import jsonschema
 import openai
 import pytest
 from conftest import ServerProcess
+from support.qwen35_calls import (
+    ANTHROPIC_TOOLS,
+    ASK,
+    MARKUP,
+    NO_THINKING,
+    SCHEMAS,
+    TIME,
+    TOOLS,
+    WEATHER,
+    check_typed,
+    check_xml_written,
+    streamed_calls,
+)
 
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    "metric": {"type": "boolean"},
-    "note": {"type": "string", "maxLength": 8},
-    "tags": {"type": "array", "items": {"type": "string", "enum": ["warm", "dry"]},
-             "maxItems": 2},
-}, "required": ["city", "days", "metric", "note"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-        "required": ["zone"], "additionalProperties": False}
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-TOOLS = [{"type": "function", "function": {"name": name, "parameters": schema}}
-         for name, schema in SCHEMAS.items()]
-ANTHROPIC_TOOLS = [{"name": name, "input_schema": schema} for name, schema in SCHEMAS.items()]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-MARKUP = ("<tool_call", "</tool_call", "<function=", "</function", "<parameter", "<think",
-          "</think")
 MODEL = "Qwen3.5-tiny-F16"  # the GGUF's stem
 
 
@@ -60,39 +52,6 @@ def claude(tiny_server) -> anthropic.Anthropic:
                                timeout=120)
 
 
-def check_typed(name: str, arguments: dict[str, Any], allowed=SCHEMAS) -> None:
-    """The call names an allowed tool and its arguments are of its schema, typed."""
-    assert name in allowed
-    jsonschema.validate(arguments, allowed[name])
-    if name == "get_weather":  # the XML text became JSON values of the schema's types
-        assert type(arguments["days"]) is int and type(arguments["metric"]) is bool
-        assert isinstance(arguments["note"], str)
-        assert isinstance(arguments.get("tags", []), list)
-
-
-def streamed_calls(stream: Any) -> tuple[list[tuple[str, dict[str, Any]]], str, str]:
-    """(calls, content, finish_reason) from a streamed chat completion, checking that the
-    first delta of a call carries id, type and name and later ones arguments only."""
-    calls: dict[int, dict[str, str]] = {}
-    content, finish = "", ""
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for call in choice.delta.tool_calls or []:
-            if call.index not in calls:
-                assert call.id.startswith("call_") and call.type == "function"
-                assert call.function.name and not call.function.arguments
-                calls[call.index] = {"name": call.function.name, "arguments": ""}
-            else:
-                assert call.id is None and not call.function.name
-                calls[call.index]["arguments"] += call.function.arguments
-        finish = choice.finish_reason or finish
-    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], \
-        content, finish
-
-
 @pytest.mark.parametrize(("tool_choice", "allowed"), [
     ("required", SCHEMAS),
     ({"type": "function", "function": {"name": "get_time"}}, {"get_time": TIME}),
@@ -107,10 +66,7 @@ def test_openai_forced_call_is_typed_xml(client, tool_choice, allowed, seed) -> 
     assert not choice.message.content
     [call] = choice.message.tool_calls
     check_typed(call.function.name, json.loads(call.function.arguments), allowed)
-    # The tokens the model drew (the prompt opened "<tool_call>\n"): Qwen3-Coder XML.
-    written = "".join(token.token for token in choice.logprobs.content)
-    assert written.startswith(f"<function={call.function.name}>\n<parameter="), written
-    assert written.rstrip().endswith("</function>\n</tool_call>"), written
+    check_xml_written(choice.logprobs, call.function.name)
     calls, content, finish = streamed_calls(client.chat.completions.create(stream=True,
                                                                            **request))
     assert finish == "tool_calls" and content == "" and len(calls) == 1
