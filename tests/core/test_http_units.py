@@ -12,8 +12,10 @@ from butter.errors import (
     ModelNotFoundError,
 )
 from butter.http.common import sse
-from butter.http.errors import anthropic_body, as_butter_error, error_body, openai_body
+from butter.http.errors import as_butter_error, error_body
+from butter.wire.anthropic import error_body as anthropic_body
 from butter.wire.fields import parse_json_body
+from butter.wire.openai import error_body as openai_body
 from butter.wire.openai import parse_chat_completion
 
 
@@ -73,7 +75,8 @@ def test_error_envelopes():
     assert missing.status_code == 404 and openai_body(missing)["error"]["code"] == "model_not_found"
     assert anthropic_body(missing) == {"type": "error", "error": {
         "type": "not_found_error", "message": missing.message}}
-    assert error_body(missing, "/v1/messages")["type"] == "error"
+    assert error_body(missing, {"path": "/v1/messages/nope"})["type"] == "error"
+    assert "type" not in error_body(missing, {"path": "/v1/nope"})
 
 
 def test_unexpected_exceptions_never_leak_their_text():

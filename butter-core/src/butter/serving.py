@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import attrs
 
 from butter.backend import KVSpec
 from butter.chat.answer import Answer, AnswerReader
@@ -95,6 +97,97 @@ class Generation:
         if not self._done:
             self._done = True
             self._backend.cancel(self._request)
+
+
+def choice_requests(request: ChatRequest) -> list[ChatRequest]:
+    """``n`` copies of ``request``, one per choice; a seed goes seed, seed+1, ..."""
+    if request.n == 1:
+        return [request]
+    seed = request.params.seed
+    return [attrs.evolve(request, n=1, params=attrs.evolve(
+        request.params, seed=None if seed is None else seed + index))
+        for index in range(request.n)]
+
+
+def combined_usage(per_prompt: list[list[Usage | None]]) -> Usage:
+    """Usage of several choices: each prompt counted once, every completion counted."""
+    prompt = cached = completion = 0
+    for usages in per_prompt:
+        known = [u for u in usages if u is not None]
+        if known:
+            prompt += known[0].prompt_tokens
+            cached += known[0].cached_tokens
+            completion += sum(u.completion_tokens for u in known)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+
+
+class Choices:
+    """The generations of one response, in choice order; cancelling cancels them all."""
+
+    def __init__(self, generations: list[Generation], prompts: list[int]) -> None:
+        self.generations = generations
+        self.prompts = prompts  # which prompt each choice answers (for usage)
+
+    @classmethod
+    async def start(cls, backend: ServeBackend, requests: Sequence[ChatRequest]) -> Choices:
+        generations: list[Generation] = []
+        prompts: list[int] = []
+        try:
+            for prompt, request in enumerate(requests):
+                for one in choice_requests(request):  # n choices: one generation each
+                    generations.append(await backend.generate(one))
+                    prompts.append(prompt)
+        except BaseException:
+            for generation in generations:
+                generation.cancel()
+            raise
+        return cls(generations, prompts)
+
+    def cancel(self) -> None:
+        for generation in self.generations:
+            generation.cancel()
+
+    @property
+    def created(self) -> int:
+        return self.generations[0].created
+
+    def usage(self):
+        groups: dict[int, list] = {}
+        for prompt, generation in zip(self.prompts, self.generations):
+            groups.setdefault(prompt, []).append(generation.usage)
+        return combined_usage(list(groups.values()))
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta | None]]:
+        """``(choice, delta)`` as they come; ``(choice, None)`` when a choice ends."""
+        if len(self.generations) == 1:
+            async for delta in self.generations[0]:
+                yield 0, delta
+            yield 0, None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, generation: Generation) -> None:
+            try:
+                async for delta in generation:
+                    await queue.put((index, delta))
+                await queue.put((index, None))
+            except BaseException as exc:  # handed to the reader, which raises it
+                await queue.put((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
+        try:
+            for _ in range(len(tasks)):
+                while True:
+                    index, item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield index, item
+                    if item is None:
+                        break
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.cancel()
 
 
 @runtime_checkable

@@ -119,7 +119,7 @@ def access_middleware(policy: AccessPolicy) -> Callable[[ASGIApp], ASGIApp]:
                          and "access-control-request-method" in headers)
             error = policy.refusal(dict(scope, path="") if preflight else scope, headers)
             if error is not None:
-                await _respond(send, error.status_code, error_body(error, scope["path"]))
+                await _respond(send, error.status_code, error_body(error, scope))
                 return
             origin = headers.get("origin")
             if preflight and origin is not None:

@@ -23,12 +23,17 @@ from butter.http.common import (
     sse,
     watch_disconnect,
 )
-from butter.http.errors import anthropic_body, as_butter_error
+from butter.http.errors import as_butter_error
 from butter.serving import Generation
-from butter.wire.anthropic import MessageBuilder, new_message_id, parse_messages_request
+from butter.wire.anthropic import (
+    MessageBuilder,
+    error_body,
+    new_message_id,
+    parse_messages_request,
+)
 
 
-@post("/v1/messages", status_code=200)
+@post("/v1/messages", status_code=200, opt={"dialect": "anthropic"})
 async def messages(request: Request, backend: Backend) -> Response | Stream:
     chat = parse_messages_request(await read_json(request))
     generation = await backend.generate(chat)
@@ -60,14 +65,14 @@ async def _events(generation: Generation, message: MessageBuilder) -> AsyncItera
                                          usage=generation.usage):
             yield sse(data, event=name)
     except ButterError as error:
-        yield sse(anthropic_body(error), event="error")
+        yield sse(error_body(error), event="error")
     except Exception as exc:  # never a traceback on the wire
-        yield sse(anthropic_body(as_butter_error(exc)), event="error")
+        yield sse(error_body(as_butter_error(exc)), event="error")
     finally:
         generation.cancel()
 
 
-@post("/v1/messages/count_tokens", status_code=200)
+@post("/v1/messages/count_tokens", status_code=200, opt={"dialect": "anthropic"})
 async def count_tokens(request: Request, backend: Backend) -> dict:
     chat = parse_messages_request(await read_json(request), for_count=True)
     return {"input_tokens": await backend.count_tokens(chat)}

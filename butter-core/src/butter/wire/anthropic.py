@@ -33,11 +33,22 @@ from butter.chat.recovery import (
     ToolCallStart,
 )
 from butter.chat.request import ChatRequest, ToolChoice, content_text
-from butter.errors import InvalidRequestError
+from butter.errors import ButterError, InvalidRequestError
 from butter.generation import Usage
 from butter.wire.fields import generation_params
 
 MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1 (OpenAI's is 0..2)
+ROUTE_PREFIX = "/v1/messages"  # this dialect's routes, and its unknown subroutes' errors
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 StreamEvent = tuple[str, dict[str, Any]]  # (SSE event name, data)
 
@@ -385,3 +396,9 @@ class MessageBuilder:
             self._arguments.clear()
         return [("content_block_stop", {"type": "content_block_stop",
                                         "index": len(self.blocks) - 1})]
+
+
+def error_body(error: ButterError) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = ERROR_TYPES.get(error.status_code, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}

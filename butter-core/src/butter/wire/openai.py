@@ -25,7 +25,7 @@ from butter.chat.request import (
     parse_response_format,
     parse_tools,
 )
-from butter.errors import InvalidRequestError
+from butter.errors import ButterError, InvalidRequestError
 from butter.generation import Logprob, LogprobsDelta, TokenChoice, Usage
 from butter.wire.fields import boolean, check_text, generation_params, integer, json_object
 
@@ -144,28 +144,6 @@ def _prompts(value: Any) -> list[str | tuple[int, ...]]:
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
-
-
-def choice_requests(request: ChatRequest) -> list[ChatRequest]:
-    """``n`` copies of ``request``, one per choice; a seed goes seed, seed+1, ..."""
-    if request.n == 1:
-        return [request]
-    seed = request.params.seed
-    return [attrs.evolve(request, n=1, params=attrs.evolve(
-        request.params, seed=None if seed is None else seed + index))
-        for index in range(request.n)]
-
-
-def combined_usage(per_prompt: list[list[Usage | None]]) -> Usage:
-    """Usage of several choices: each prompt counted once, every completion counted."""
-    prompt = cached = completion = 0
-    for usages in per_prompt:
-        known = [u for u in usages if u is not None]
-        if known:
-            prompt += known[0].prompt_tokens
-            cached += known[0].cached_tokens
-            completion += sum(u.completion_tokens for u in known)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -288,6 +266,49 @@ def text_choice(*, index: int, text: str, finish_reason: str | None,
             "finish_reason": finish_reason}
 
 
+@attrs.define
+class CompletionBuilder:
+    """A whole (not streamed) completion, chat or legacy text, from its choices' deltas:
+    ``add`` each ``(choice, delta)`` as it comes, then ``body``."""
+
+    echoes: list[str]  # per choice: the prompt leading its text (legacy ``echo``), or ""
+    chat: bool
+    logprobs: bool
+    _content: list[list[str]] = attrs.field(init=False)
+    _reasoning: list[list[str]] = attrs.field(init=False)
+    _entries: list[list[Logprob]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._content = [[echo] for echo in self.echoes]
+        self._reasoning = [[] for _ in self.echoes]
+        self._entries = [[] for _ in self.echoes]
+
+    def add(self, index: int, delta: Delta | None) -> None:
+        if isinstance(delta, ContentDelta):
+            self._content[index].append(delta.text)
+        elif isinstance(delta, ReasoningDelta):
+            self._reasoning[index].append(delta.text)
+        elif isinstance(delta, LogprobsDelta) and self.logprobs:
+            self._entries[index].extend(delta.entries)
+
+    def body(self, *, completion_id: str, model: str, created: int,
+             finish_reasons: Sequence[str | None], calls: Sequence[list[ToolCall]],
+             usage: Usage) -> dict[str, Any]:
+        entries = [e if self.logprobs else None for e in self._entries]
+        if self.chat:
+            return completion_body(
+                completion_id=completion_id, model=model, created=created, usage=usage,
+                choices=[chat_choice(index=i, content="".join(self._content[i]),
+                                     reasoning="".join(self._reasoning[i]), calls=calls[i],
+                                     finish_reason=finish_reasons[i], logprobs=entries[i])
+                         for i in range(len(self.echoes))])
+        return text_completion_body(
+            completion_id=completion_id, model=model, created=created, usage=usage,
+            choices=[text_choice(index=i, text="".join(self._content[i]),
+                                 finish_reason=finish_reasons[i], logprobs=entries[i])
+                     for i in range(len(self.echoes))])
+
+
 class ChunkWriter:
     """The chunks of one stream, as JSON text: ``chat.completion.chunk`` objects, or
     legacy ``text_completion`` ones with ``text=True``."""
@@ -364,3 +385,9 @@ class ChunkWriter:
 
 def _json(data: Mapping[str, Any]) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def error_body(error: ButterError) -> dict[str, Any]:
+    """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": error.message, "type": error.error_type,
+                      "param": error.param, "code": error.code}}
