@@ -56,7 +56,7 @@ def test_the_folder_loads_with_its_nested_settings(tiny_qwen35_folder):
         info = model.info
         assert info.architecture == "qwen3_5"
         assert info.n_ctx_train == 262144 and info.n_vocab == 151936
-        assert not info.can_rewind and not info.fusable  # Gated DeltaNet state
+        assert not info.can_rewind  # Gated DeltaNet state cannot be cut back
         native = model.engine._runtime._model
         assert native.kv_shape() == (1, 2, 32)  # only the full-attention layer caches KV
         assert native.is_end_of_generation(IM_END) and native.is_end_of_generation(ENDOFTEXT)
