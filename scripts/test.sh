@@ -18,14 +18,23 @@ venv="${BUTTER_VENV:-.venv}"
 if [ -z "${BUTTER_LLAMA_SDIST:-}" ]; then
     sdist=llama_cpp_python-0.3.36
     cache="$PWD/.cache/llama-sdist"
-    if [ ! -f "$cache/$sdist/vendor/llama.cpp/models/templates/Qwen3.5-4B.jinja" ]; then
+    models="$sdist/vendor/llama.cpp/models"
+    # The chat templates beside Qwen3.5's are for the tool-call format detection tests.
+    parts="$sdist/vendor/llama.cpp/gguf-py $models/ggml-vocab-qwen35.gguf
+        $models/ggml-vocab-qwen35.gguf.inp $models/ggml-vocab-qwen35.gguf.out
+        $models/templates/Qwen3.5-4B.jinja $models/templates/Qwen3-Coder.jinja
+        $models/templates/Qwen-Qwen2.5-7B-Instruct.jinja $models/templates/Qwen-Qwen3-0.6B.jinja
+        $models/templates/NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja"
+    missing=0
+    for part in $parts; do
+        [ -e "$cache/$part" ] || missing=1
+    done
+    if [ "$missing" -eq 1 ]; then
         mkdir -p "$cache"
         "$venv/bin/pip" download -q --no-deps --no-binary :all: \
             "llama-cpp-python==${sdist#llama_cpp_python-}" -d "$cache"
-        models="$sdist/vendor/llama.cpp/models"
-        tar -xzf "$cache/$sdist.tar.gz" -C "$cache" "$sdist/vendor/llama.cpp/gguf-py" \
-            "$models/ggml-vocab-qwen35.gguf" "$models/ggml-vocab-qwen35.gguf.inp" \
-            "$models/ggml-vocab-qwen35.gguf.out" "$models/templates/Qwen3.5-4B.jinja"
+        # shellcheck disable=SC2086  # one word per part
+        tar -xzf "$cache/$sdist.tar.gz" -C "$cache" $parts
         rm -f "$cache/$sdist.tar.gz"
     fi
     export BUTTER_LLAMA_SDIST="$cache/$sdist"
