@@ -15,6 +15,12 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def fetched(hub, repo: str) -> list[str]:
+    """The files of ``repo`` the hub sent, in order (API calls left out)."""
+    return [e.path for e in hub.log if e.method == "GET" and e.repo == repo
+            and not e.path.startswith("api/")]
+
+
 def test_pull_shows_bytes_rate_and_time_left_then_serves_from_the_cache(hub, hf_env,
                                                                        model_path):
     hub.rate = 40e6  # about 2.5 s for the 98 MB file: the bar redraws while it runs
@@ -34,8 +40,7 @@ def test_pull_shows_bytes_rate_and_time_left_then_serves_from_the_cache(hub, hf_
                for f in middle), middle
     assert "98.4/98.4 MB" in frames[-1]
     # Nothing fetched the README, and the id resolves offline from now on.
-    assert [e.path for e in hub.log if e.method == "GET" and e.repo == GGUF_REPO
-            and not e.path.startswith("api")] == [GGUF_FILE]
+    assert fetched(hub, GGUF_REPO) == [GGUF_FILE]
     offline = butter("pull", f"{GGUF_REPO}:Q4_1", env=dict(hf_env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 0 and Path(offline.stdout.strip()) == local
     assert "in the cache already" in offline.stderr
@@ -62,10 +67,27 @@ def test_mlx_repository_takes_only_what_serving_needs(hub, hf_env, mlx_repo):
     taken = sorted(p.name for p in folder.rglob("*") if p.is_file())
     assert taken == ["config.json", "model.safetensors", "tokenizer.json",
                      "tokenizer_config.json"]
-    fetched = [e.path for e in hub.log if e.method == "GET" and not e.path.startswith("api")]
-    assert fetched[-1] == "config.json"  # last: a cut-off download leaves nothing that loads
+    # config.json last: a download cut off before it leaves nothing that resolves.
+    assert fetched(hub, mlx_repo)[-1] == "config.json"
     offline = butter("pull", mlx_repo, env=dict(hf_env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 0 and Path(offline.stdout.strip()) == folder
+
+
+def test_an_interrupted_pull_keeps_finished_files_and_serves_nothing_half_done(
+        hub, hf_env, mlx_repo):
+    hub.broken.add((mlx_repo, "config.json"))
+    try:
+        failed = butter("pull", mlx_repo, env=hf_env)
+    finally:
+        hub.broken.clear()
+    assert failed.returncode == 1 and "answered 500" in failed.stderr
+    offline = butter("pull", mlx_repo, env=dict(hf_env, HF_HUB_OFFLINE="1"))
+    assert offline.returncode == 1  # weights without their config.json do not resolve
+    hub.log.clear()
+    done = butter("pull", mlx_repo, env=hf_env)
+    assert done.returncode == 0, done.stderr
+    assert fetched(hub, mlx_repo) == ["config.json"]  # the finished files were kept
+    assert (Path(done.stdout.strip()) / "model.safetensors").is_file()
 
 
 def test_gguf_choice_follows_llama_server(hub, hf_env):

@@ -13,7 +13,8 @@ no test reaches the real hub. Repositories are a dict: repo id -> {path: bytes o
 Unknown repositories are 404 ``RepoNotFound``. A gated repository lists its files to
 anyone (as the hub does) but its files answer 401 ``GatedRepo`` without a token and 403
 with a token it does not accept. ``cut_once`` drops a file's connection after some bytes,
-once; ``rate`` throttles every file download (bytes per second).
+once; ``broken`` files answer every GET with 500; ``rate`` throttles every file download
+(bytes per second).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class FakeHub:
             self.add(repo_id, files)
         self.log: list[Logged] = []
         self.rate: float | None = None  # bytes per second for file bodies
+        self.broken: set[tuple[str, str]] = set()  # (repo, path) whose GETs answer 500
         self._cuts: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -199,6 +201,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     return self._error(403, repo_id, path, "GatedRepo")
             if path not in repo.files:
                 return self._error(404, repo_id, path, "EntryNotFound")
+            if not head and (repo_id, path) in hub.broken:
+                return self._error(500, repo_id, path, "InternalError")
             size = repo.size(path)
             start, end, status = 0, size, 200
             wanted = _RANGE.match(self.headers.get("Range") or "")
