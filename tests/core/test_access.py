@@ -5,8 +5,7 @@ from fakes.stub_backend import StubBackend
 from litestar.testing import TestClient
 
 from butter.http.access import AccessPolicy, is_loopback, origin_allowed
-from butter.http.app import create_app
-from butter.http.schema import REQUEST_BODIES
+from butter.http.app import create_app, request_bodies
 
 
 def client(backend=None, **policy) -> TestClient:
@@ -93,9 +92,9 @@ def test_405_says_which_methods_are_allowed():
 def test_openapi_schema_publishes_every_route_with_its_request_body():
     with client() as http:
         schema = http.get("/schema/openapi.json").json()
-    for path in ("/health", "/v1/models", "/metrics", *REQUEST_BODIES):
+    for path in ("/health", "/v1/models", "/metrics", *request_bodies()):
         assert path in schema["paths"], path
-    for path, body in REQUEST_BODIES.items():
+    for path, body in request_bodies().items():
         published = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert published["schema"] == body
 

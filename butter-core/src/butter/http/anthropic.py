@@ -26,6 +26,8 @@ from butter.http.common import (
 from butter.http.errors import as_butter_error
 from butter.serving import Generation
 from butter.wire.anthropic import (
+    COUNT_TOKENS_SCHEMA,
+    MESSAGES_SCHEMA,
     MessageBuilder,
     error_body,
     new_message_id,
@@ -33,7 +35,8 @@ from butter.wire.anthropic import (
 )
 
 
-@post("/v1/messages", status_code=200, opt={"dialect": "anthropic"})
+@post("/v1/messages", status_code=200,
+      opt={"dialect": "anthropic", "body_schema": MESSAGES_SCHEMA})
 async def messages(request: Request, backend: Backend) -> Response | Stream:
     chat = parse_messages_request(await read_json(request))
     generation = await backend.generate(chat)
@@ -72,7 +75,8 @@ async def _events(generation: Generation, message: MessageBuilder) -> AsyncItera
         generation.cancel()
 
 
-@post("/v1/messages/count_tokens", status_code=200, opt={"dialect": "anthropic"})
+@post("/v1/messages/count_tokens", status_code=200,
+      opt={"dialect": "anthropic", "body_schema": COUNT_TOKENS_SCHEMA})
 async def count_tokens(request: Request, backend: Backend) -> dict:
     chat = parse_messages_request(await read_json(request), for_count=True)
     return {"input_tokens": await backend.count_tokens(chat)}

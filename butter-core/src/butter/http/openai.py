@@ -27,6 +27,8 @@ from butter.http.common import (
 from butter.http.errors import as_butter_error
 from butter.serving import Choices, ServeBackend
 from butter.wire.openai import (
+    CHAT_COMPLETION_SCHEMA,
+    COMPLETION_SCHEMA,
     ChunkWriter,
     CompletionBuilder,
     error_body,
@@ -35,13 +37,15 @@ from butter.wire.openai import (
 )
 
 
-@post("/v1/chat/completions", status_code=200, opt={"dialect": "openai"})
+@post("/v1/chat/completions", status_code=200,
+      opt={"dialect": "openai", "body_schema": CHAT_COMPLETION_SCHEMA})
 async def chat_completions(request: Request, backend: Backend) -> Response | Stream:
     chat = parse_chat_completion(await read_json(request))
     return await _respond(request, backend, [chat], chat=True)
 
 
-@post("/v1/completions", status_code=200, opt={"dialect": "openai"})
+@post("/v1/completions", status_code=200,
+      opt={"dialect": "openai", "body_schema": COMPLETION_SCHEMA})
 async def completions(request: Request, backend: Backend) -> Response | Stream:
     """The legacy text-completion route: raw prompts, no chat template."""
     return await _respond(request, backend, parse_completion(await read_json(request)),

@@ -35,7 +35,7 @@ from butter.chat.recovery import (
 from butter.chat.request import ChatRequest, ToolChoice, content_text
 from butter.errors import ButterError, InvalidRequestError
 from butter.generation import Usage
-from butter.wire.fields import generation_params
+from butter.wire.fields import JSON_OBJECT, SAMPLING, STOP, STRING, TEXT_PART, generation_params
 
 MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1 (OpenAI's is 0..2)
 ROUTE_PREFIX = "/v1/messages"  # this dialect's routes, and its unknown subroutes' errors
@@ -402,3 +402,50 @@ def error_body(error: ButterError) -> dict[str, Any]:
     """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
     kind = ERROR_TYPES.get(error.status_code, "api_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+# ---- the request bodies' JSON Schemas (the routes publish them) ----------------------
+
+_BLOCK = {
+    "type": "object", "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]},
+        "text": STRING, "id": STRING, "name": STRING, "input": JSON_OBJECT,
+        "tool_use_id": STRING, "is_error": {"type": "boolean"},
+        "content": {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}]},
+    },
+}
+_ANTHROPIC_MESSAGE = {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": ["user", "assistant"]},
+                   "content": {"anyOf": [STRING, {"type": "array", "items": _BLOCK}]}},
+}
+_ANTHROPIC_COMMON = {
+    "model": STRING,
+    "messages": {"type": "array", "minItems": 1, "items": _ANTHROPIC_MESSAGE},
+    "system": {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}]},
+    "tools": {"type": "array", "items": {
+        "type": "object", "required": ["name", "input_schema"],
+        "properties": {"name": STRING, "description": STRING, "input_schema": JSON_OBJECT,
+                       "type": {"enum": ["custom"]}}}},
+    "tool_choice": {"type": "object", "required": ["type"],
+                    "properties": {"type": {"enum": ["auto", "any", "none", "tool"]},
+                                   "name": STRING}},
+    "thinking": {"type": "object", "required": ["type"],
+                 "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]},
+                                "budget_tokens": {"type": "integer"}}},
+}
+MESSAGES_SCHEMA = {
+    # No `model`: the resident model answers a request that names none, on every route.
+    "type": "object", "required": ["messages", "max_tokens"],
+    "properties": {
+        **_ANTHROPIC_COMMON,
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "stop_sequences": STOP,
+        **SAMPLING,
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+}
+# count_tokens reads a Messages body (every field checked as there), max_tokens optional.
+COUNT_TOKENS_SCHEMA = {"type": "object", "required": ["messages"],
+                       "properties": MESSAGES_SCHEMA["properties"]}

@@ -180,3 +180,38 @@ def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
                                       param="logit_bias")
         biases.append((int(key), float(bias)))
     return tuple(sorted(biases))
+
+
+# ---- JSON Schemas of what these readers take (published at /schema/openapi.json) ------
+# The routes read their bodies themselves, so litestar cannot infer them; each dialect
+# states its bodies beside its parser, from these pieces. Unknown fields are accepted and
+# ignored, as the contract says, hence no ``additionalProperties: false``.
+
+STRING = {"type": "string"}
+TEXT_PART = {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"enum": ["text", "input_text"]}, "text": STRING}}
+STOP = {"anyOf": [STRING, {"type": "array", "items": STRING, "maxItems": 16}, {"type": "null"}]}
+JSON_OBJECT = {"type": "object"}
+SAMPLING = {
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "seed": {"type": "integer"},
+    "ignore_eos": {"type": "boolean"},
+    "min_tokens": {"type": "integer", "minimum": 0},
+    "stream": {"type": "boolean"},
+    "top_k": {"type": "integer", "minimum": -1},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "logit_bias": {"type": "object", "maxProperties": 300,
+                   "additionalProperties": {"type": "number", "minimum": -100,
+                                            "maximum": 100}},
+}
+RESPONSE_FORMAT = {
+    "type": "object", "required": ["type"],
+    "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
+                   "json_schema": {"type": "object", "required": ["name"],
+                                   "properties": {"name": STRING, "schema": JSON_OBJECT,
+                                                  "strict": {"type": "boolean"}}}},
+}

@@ -27,7 +27,19 @@ from butter.chat.request import (
 )
 from butter.errors import ButterError, InvalidRequestError
 from butter.generation import Logprob, LogprobsDelta, TokenChoice, Usage
-from butter.wire.fields import boolean, check_text, generation_params, integer, json_object
+from butter.wire.fields import (
+    JSON_OBJECT,
+    RESPONSE_FORMAT,
+    SAMPLING,
+    STOP,
+    STRING,
+    TEXT_PART,
+    boolean,
+    check_text,
+    generation_params,
+    integer,
+    json_object,
+)
 
 MAX_CHOICES = 16  # n (times prompts) per request: each choice is a session's work
 COMPLETION_MAX_TOKENS = 16  # the legacy endpoint's documented default
@@ -391,3 +403,80 @@ def error_body(error: ButterError) -> dict[str, Any]:
     """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": error.message, "type": error.error_type,
                       "param": error.param, "code": error.code}}
+
+
+# ---- the request bodies' JSON Schemas (the routes publish them) ----------------------
+
+_FUNCTION = {
+    "type": "object", "required": ["name"],
+    "properties": {"name": STRING, "description": STRING, "parameters": JSON_OBJECT},
+}
+_TOOL_CALL = {
+    "type": "object", "required": ["function"],
+    "properties": {"id": STRING, "type": {"enum": ["function"]},
+                   "function": {"type": "object", "required": ["name"],
+                                "properties": {"name": STRING, "arguments": STRING}}},
+}
+_CHAT_MESSAGE = {
+    "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}, {"type": "null"}]},
+        "name": STRING,
+        "tool_calls": {"type": "array", "items": _TOOL_CALL},
+        "tool_call_id": STRING,
+    },
+}
+CHAT_COMPLETION_SCHEMA = {
+    "type": "object", "required": ["messages"],
+    "properties": {
+        "model": STRING,
+        "messages": {"type": "array", "minItems": 1, "items": _CHAT_MESSAGE},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "stop": STOP,
+        "n": {"type": "integer", "minimum": 1, "maximum": 16},
+        "stream_options": {"type": "object",
+                           "properties": {"include_usage": {"type": "boolean"}}},
+        "tools": {"type": "array", "items": {
+            "type": "object", "required": ["function"],
+            "properties": {"type": {"enum": ["function"]}, "function": _FUNCTION}}},
+        "tool_choice": {"anyOf": [
+            {"enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"],
+             "properties": {"type": {"enum": ["function"]},
+                            "function": {"type": "object", "required": ["name"],
+                                         "properties": {"name": STRING}}}}]},
+        "chat_template_kwargs": {"type": "object",
+                                 "properties": {"enable_thinking": {"type": "boolean"}}},
+        "reasoning_effort": {"enum": ["low", "medium", "high", "minimal", "none"]},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},  # needs logprobs
+        "response_format": RESPONSE_FORMAT,
+        **SAMPLING,
+    },
+}
+
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+COMPLETION_SCHEMA = {
+    "type": "object", "required": ["prompt"],
+    "properties": {
+        "model": STRING,
+        "prompt": {"anyOf": [STRING, {"type": "array", "items": STRING, "minItems": 1,
+                                      "maxItems": 16},
+                             _TOKENS, {"type": "array", "items": _TOKENS, "minItems": 1,
+                                       "maxItems": 16}]},
+        "suffix": STRING,
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "stop": STOP,
+        "n": {"type": "integer", "minimum": 1, "maximum": 16},
+        "echo": {"type": "boolean"},
+        "best_of": {"type": "integer", "minimum": 1, "maximum": 1},
+        "response_format": RESPONSE_FORMAT,
+        "stream_options": {"type": "object",
+                           "properties": {"include_usage": {"type": "boolean"}}},
+        **SAMPLING,
+    },
+}
