@@ -135,3 +135,29 @@ def test_no_enable_thinking_flag(tiny_qwen35_gguf) -> None:
         check_typed(call.function.name, json.loads(call.function.arguments))
     finally:
         process.stop()
+
+
+def test_tool_rounds_resend_calls_and_results(client, claude) -> None:
+    """A call and its result go back through Qwen3.5's template (which writes the call's
+    arguments as XML parameters) and the next forced call is typed again."""
+    messages = list(ASK)
+    for round_ in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+            max_tokens=200, seed=round_, extra_body=NO_THINKING)
+        [call] = reply.choices[0].message.tool_calls
+        check_typed(call.function.name, json.loads(call.function.arguments))
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 22 C."}]
+    assert reply.usage.prompt_tokens > 200
+    history: list[dict] = [{"role": "user", "content": ASK[0]["content"]}]
+    for _ in range(2):
+        answer = claude.messages.create(model=MODEL, max_tokens=200, messages=history,
+                                        tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+                                        thinking={"type": "disabled"})
+        [use] = [block for block in answer.content if block.type == "tool_use"]
+        check_typed(use.name, use.input)
+        history += [{"role": "assistant", "content": [block.model_dump() for block in
+                                                      answer.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                  "content": "Sunny."}]}]
