@@ -6,7 +6,6 @@ import pytest
 
 from butter.errors import ModelLoadError, ModelNotFoundError
 from butter.hub import (
-    ChoiceError,
     HubId,
     RemoteFile,
     choose_gguf,
@@ -51,15 +50,15 @@ def test_a_quant_in_any_case_picks_the_one_file_carrying_it():
     assert choose("q4_1") == "m-Q4_1.gguf"
     assert choose("Q2_K") == "big/m-Q2_K-00001-of-00002.gguf"
     assert choose("XS") == "m-IQ4_XS.gguf"  # a whole word after "_"; IQ4 is not Q4
-    with pytest.raises(ChoiceError, match="no .gguf file carries Q4_XS"):
+    with pytest.raises(ModelNotFoundError, match="no .gguf file carries Q4_XS"):
         choose("Q4_XS")
 
 
 def test_several_matches_or_none_list_what_the_repository_has():
-    with pytest.raises(ChoiceError) as several:
+    with pytest.raises(ModelLoadError) as several:
         choose("Q4_1", PATHS + ["m-instruct-Q4_1.gguf"])
     assert "2 files carry Q4_1: m-Q4_1.gguf, m-instruct-Q4_1.gguf" in str(several.value)
-    with pytest.raises(ChoiceError) as none:
+    with pytest.raises(ModelNotFoundError) as none:
         choose("Q6_K")
     assert "its .gguf files: big/m-Q2_K-00001-of-00002.gguf" in str(none.value)
 

@@ -94,14 +94,6 @@ def _valid_name(part: str) -> bool:
 
 # ---- which files an id names --------------------------------------------------------
 
-class ChoiceError(Exception):
-    """The repository's files do not give one answer to an id (the message says why)."""
-
-    def __init__(self, message: str, *, missing: bool) -> None:
-        super().__init__(message)
-        self.missing = missing  # nothing matches (404), rather than several or no weights
-
-
 def model_ggufs(paths: Iterable[str]) -> list[str]:
     """The GGUF language models among ``paths``: projectors, imatrix files and the later
     parts of split files left out (a split model is named by its first part)."""
@@ -118,28 +110,32 @@ def model_ggufs(paths: Iterable[str]) -> list[str]:
 
 
 def choose_gguf(hub_id: HubId, paths: Iterable[str]) -> str:
-    """The GGUF ``hub_id`` names among ``paths``; :class:`ChoiceError` when none or several."""
+    """The GGUF ``hub_id`` names among ``paths``: :class:`ModelNotFoundError` when none
+    does, :class:`ModelLoadError` when several do; each lists what ``paths`` hold."""
     paths = list(paths)
+    repo = f"The repository {hub_id.repo_id}"
     if hub_id.filename is not None:
         if hub_id.filename in paths:
             return hub_id.filename
-        raise ChoiceError(f"it has no file {hub_id.filename}; {_has(paths)}", missing=True)
+        raise ModelNotFoundError(hub_id.text, f"{repo} has no file {hub_id.filename}; "
+                                 f"{_has(paths)}.")
     models = model_ggufs(paths)
     if hub_id.quant is not None:
         hits = _with_quant(models, hub_id.quant)
         if len(hits) == 1:
             return hits[0]
         if hits:
-            raise ChoiceError(f"{len(hits)} files carry {hub_id.quant}: {', '.join(hits)}; "
-                              "name one as owner/repo/FILE.gguf", missing=False)
-        raise ChoiceError(f"no .gguf file carries {hub_id.quant}; {_has(paths)}", missing=True)
+            raise ModelLoadError(hub_id.text, f"{len(hits)} files carry {hub_id.quant}: "
+                                 f"{', '.join(hits)}; name one as owner/repo/FILE.gguf")
+        raise ModelNotFoundError(hub_id.text, f"{repo}: no .gguf file carries "
+                                 f"{hub_id.quant}; {_has(paths)}.")
     for quant in DEFAULT_QUANTS:
         hits = _with_quant(models, quant)
         if hits:
             return hits[0]
     if models:
         return models[0]
-    raise ChoiceError(f"it has no .gguf model; {_has(paths)}", missing=True)
+    raise ModelNotFoundError(hub_id.text, f"{repo} has no .gguf model; {_has(paths)}.")
 
 
 def _with_quant(paths: Sequence[str], quant: str) -> list[str]:
@@ -185,10 +181,7 @@ def files_to_fetch(hub_id: HubId, listing: Sequence[RemoteFile]) -> list[RemoteF
     paths = list(by_path)
     ggufs = model_ggufs(paths)
     if hub_id.is_gguf or ggufs:
-        try:
-            chosen = choose_gguf(hub_id, paths)
-        except ChoiceError as error:
-            raise _choice_error(hub_id, error) from None
+        chosen = choose_gguf(hub_id, paths)
         return [by_path[p] for p in reversed(split_parts(chosen, paths))]
     has_weights = any(fnmatch.fnmatch(p, WEIGHT_PATTERN) for p in paths)
     if "config.json" not in by_path or not has_weights:
@@ -197,12 +190,6 @@ def files_to_fetch(hub_id: HubId, listing: Sequence[RemoteFile]) -> list[RemoteF
     wanted = [p for p in paths if any(fnmatch.fnmatch(p, pattern) for pattern in SERVING_PATTERNS)]
     wanted.sort(key=lambda p: (p == "config.json", p))
     return [by_path[p] for p in wanted]
-
-
-def _choice_error(hub_id: HubId, error: ChoiceError) -> ButterError:
-    if error.missing:
-        return ModelNotFoundError(hub_id.text, f"The repository {hub_id.repo_id}: {error}.")
-    return ModelLoadError(hub_id.text, str(error))
 
 
 # ---- downloading --------------------------------------------------------------------

