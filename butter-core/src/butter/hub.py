@@ -273,7 +273,7 @@ def _size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _bar_class(sink: ByteSink) -> type:
+def tqdm_class_for(sink: ByteSink) -> type:
     """A ``tqdm_class`` for ``hf_hub_download`` that feeds ``sink``.
 
     huggingface_hub accepts any class that mimics tqdm; one with ``update_transfer`` is
@@ -345,7 +345,7 @@ def _download(hub_id: HubId, sink: ByteSink) -> Path:
     files = files_to_fetch(hub_id, listing)
     missing = [f for f in files if not isinstance(
         try_to_load_from_cache(hub_id.repo_id, f.path, revision=revision.resolved), str)]
-    bar = _bar_class(sink)
+    bar = tqdm_class_for(sink)
     sink.start(hub_id, len(missing), sum(f.size for f in missing))
     try:
         for remote in files:
