@@ -394,6 +394,7 @@ def test_plugin_format_is_used() -> None:
 class BrokenFormat:
     name = "broken"
     open_tags = ("<tool_call>",)
+    close_tags = inner_tags = ()
 
     def block_end(self, text: str) -> int | None:
         if len(text) > 20:

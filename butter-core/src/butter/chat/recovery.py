@@ -172,8 +172,7 @@ class StreamParser:
         closes: list[str] = []
         for fmt in self._formats:
             tags += [tag for tag in fmt.open_tags if tag and tag not in tags]
-            closes += [tag for tag in (*getattr(fmt, "close_tags", ()),
-                                       *getattr(fmt, "inner_tags", ()))
+            closes += [tag for tag in (*fmt.close_tags, *fmt.inner_tags)
                        if tag and tag not in closes]
         self._tags = tuple(tags)
         self._closes = tuple(closes)  # dropped wherever they stand outside a block
@@ -361,8 +360,7 @@ def _markup_pattern(formats: Sequence[ToolFormat]) -> re.Pattern[str]:
     """The tags of ``formats``; an open tag ending in ``=`` (``<function=``) runs to ``>``."""
     parts = []
     for fmt in formats:
-        for tag in (*fmt.open_tags, *getattr(fmt, "close_tags", ()),
-                    *getattr(fmt, "inner_tags", ())):
+        for tag in (*fmt.open_tags, *fmt.close_tags, *fmt.inner_tags):
             if tag:
                 parts.append(re.escape(tag) + (r"[^>\n]*>" if tag.endswith("=") else ""))
     return re.compile("|".join(sorted(set(parts), key=len, reverse=True)) or r"(?!)")

@@ -37,6 +37,7 @@ __all__ = [
     "XmlToolFormat",
     "taught_format",
     "value_types",
+    "writes_bare_calls",
 ]
 
 Arguments = dict[str, Any]
@@ -68,9 +69,17 @@ class ToolFormat(Protocol):
         """Literal strings that start a block of this format, e.g. ``("<tool_call>",)``."""
         ...
 
-    # Optional: ``close_tags``, tags that end blocks (or sit inside them) and are dropped
-    # wherever they stand outside a parsed block, and ``inner_tags``, opened only inside
-    # a block; both are stripped from a block given up as content: no markup reaches it.
+    @property
+    def close_tags(self) -> tuple[str, ...]:
+        """Tags that end blocks (or sit inside them): dropped wherever they stand outside
+        a parsed block, and stripped from a block given up as content. May be empty."""
+        ...
+
+    @property
+    def inner_tags(self) -> tuple[str, ...]:
+        """Tags opened only inside a block (``<function=``); stripped likewise. May be
+        empty."""
+        ...
 
     def block_end(self, text: str) -> int | None:
         """Given text starting at one of `open_tags`: the index just past the block's
@@ -132,6 +141,10 @@ class JsonToolFormat:
     @property
     def close_tags(self) -> tuple[str, ...]:
         return (self.close_tag,)
+
+    @property
+    def inner_tags(self) -> tuple[str, ...]:
+        return ()
 
     def block_end(self, text: str) -> int | None:
         start = _skip_whitespace(text, len(self.open_tag))
@@ -464,6 +477,15 @@ def taught_format(template_source: str) -> str:
             "'<tool_call><function=' ~ tool_call.name ~ '>'" not in template_source:
         return QWEN3_CODER
     return HERMES
+
+
+def writes_bare_calls(template_source: str) -> bool:
+    """Whether the model may open an XML call with ``<function=`` and no ``<tool_call>``.
+
+    llama.cpp allows it for Qwen3-Coder (an XML template with no think block) and not for
+    the thinking models that share its format (Qwen3.5), which keep the wrapper.
+    """
+    return taught_format(template_source) == QWEN3_CODER and "<think>" not in template_source
 
 
 BUILTIN_TOOL_FORMATS: Final[tuple[ToolFormat, ...]] = (JsonToolFormat(), XmlToolFormat())

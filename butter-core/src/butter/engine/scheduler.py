@@ -154,7 +154,7 @@ class Engine:
             )
             self._sessions = [Session(seq_id=i) for i in range(self._runtime.n_sessions)]
             self._admission = Admission(self._runtime.kv, self.config.parallel,
-                                        getattr(self._runtime, "reachable", None))
+                                        self._runtime.reachable)
             self._planner = Planner(max_batch=self._runtime.max_batch,
                                     prefill_chunk=self.config.prefill_chunk, mask=self._mask)
             self.metrics.sessions_total = len(self._sessions)
