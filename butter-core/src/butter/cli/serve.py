@@ -92,6 +92,9 @@ def check_flags(args: argparse.Namespace, plugins: Plugins
     for directory in args.models_dir:
         if not Path(directory).expanduser().is_dir():
             raise UsageError("--models-dir", f"{directory} is not a directory")
+    if args.allow_downloads and args.no_swap:
+        raise UsageError("--allow-downloads", "a request cannot swap in what it pulls with "
+                         "--no-swap")
     if args.alias is not None and not args.alias.strip():
         raise UsageError("--alias", "the name is empty")
     if args.api_key is not None and not args.api_key.strip():
