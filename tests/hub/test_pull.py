@@ -144,3 +144,12 @@ def test_serve_fails_the_same_way_before_loading_anything(hf_env):
         f"butter: error: The model `lab/missing` does not exist or is not available here. "
         f"{hf_env['HF_ENDPOINT']} has no repository lab/missing (404; no HF_TOKEN is set; "
         "a private one needs a token that may read it)."]
+
+
+def test_allow_downloads_with_no_swap_is_a_usage_error(hf_env):
+    done = butter("serve", "--model", "smollm2", "--allow-downloads", "--no-swap",
+                  "--port", str(free_port()), env=hf_env)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "butter serve: error: --allow-downloads: a request cannot swap in what it pulls "
+        "with --no-swap"]
