@@ -173,16 +173,45 @@ def test_named_xml_call_names_that_tool(qwen35: str, lltokenizer) -> None:
 
 def test_forced_call_after_thinking(qwen35: str, lltokenizer) -> None:
     spec = grammar(qwen35, tool_choice=ToolChoice("required"))
-    assert spec.trigger is None
+    assert spec.triggers == ()
     assert follows(spec, f"{THOUGHT}\n</think>\n\n{CALL}", lltokenizer)
     assert not follows(spec, f"{THOUGHT}\n</think>\n\nNo call today.", lltokenizer)
 
 
 def test_auto_call_grammar_waits_for_the_end_of_thinking(qwen35: str, lltokenizer) -> None:
     spec = grammar(qwen35)
-    assert (spec.trigger, spec.armed_by) == ("<tool_call>", "</think>")
-    assert follows(spec, CALL.removeprefix("<tool_call>"), lltokenizer)
+    assert (spec.triggers, spec.armed_by) == (("<tool_call>",), "</think>")
+    assert follows(spec, CALL, lltokenizer)
     assert grammar(qwen35, enable_thinking=False).armed_by is None
+
+
+def test_lazy_constraint_counts_a_call_only_after_thinking(qwen35: str, lltokenizer) -> None:
+    from butter.engine.constraint import Constraint
+
+    spec = grammar(qwen35)
+    constraint = Constraint(llguidance.LLMatcher(lltokenizer, spec.grammar, log_level=0),
+                            lltokenizer, triggers=spec.triggers, armed_by=spec.armed_by)
+    tokenizer = real_tokenizer()
+
+    def write(text: str) -> None:
+        for token, piece in zip(tokenizer.tokenize(text), tokenizer.pieces(text), strict=True):
+            constraint.advance(token, piece)
+
+    write("I could write <tool_call>\n<function=get_time>\n")  # a valid start, but thinking
+    assert not constraint.active
+    write("</think>\n\nLet me check.\n<tool_call>")
+    assert constraint.active and constraint.mask() is not None
+
+
+def test_qwen3_coder_may_open_a_bare_call(templates: Path, qwen35: str, lltokenizer) -> None:
+    # llama.cpp triggers Qwen3-Coder's lazy grammar on <function=NAME> too (it sometimes
+    # leaves out <tool_call>), not Qwen3.5's (a thinking template).
+    coder = (templates / "Qwen3-Coder.jinja").read_text()
+    spec = grammar(coder)
+    assert spec.triggers == ("<tool_call>", "<function=get_weather>", "<function=get_time>")
+    bare = TIME_CALL.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    assert follows(spec, bare, lltokenizer) and follows(spec, CALL, lltokenizer)
+    assert grammar(qwen35, enable_thinking=False).triggers == ("<tool_call>",)
 
 
 def test_hermes_templates_keep_json_calls(lltokenizer) -> None:

@@ -4,9 +4,10 @@
 - A forced tool call (``required``, a named function, Anthropic ``any`` / ``tool``): the
   prompt opens ``<tool_call>`` and the grammar holds the rest of one call of a declared
   tool (or the named one) with arguments of its schema, and the close tag.
-- ``auto`` with tools: the model is free until it writes ``<tool_call>``; from there the
-  call is constrained the same way (a lazy grammar). With a ``response_format`` as well,
-  the answer is either the JSON or a call.
+- ``auto`` with tools: the model is free until it writes ``<tool_call>`` (or, for
+  Qwen3-Coder, which sometimes leaves that tag out, ``<function=`` and a declared tool's
+  name, as llama.cpp triggers it); from there the call is constrained the same way (a lazy
+  grammar). With a ``response_format`` as well, the answer is either the JSON or a call.
 
 Calls are constrained in the format the chat template teaches (``PromptPlan.tool_format``):
 
@@ -76,7 +77,12 @@ def grammar_for(request: ChatRequest, plan: PromptPlan) -> GrammarSpec | None:
                      what="response_format", content=content)
     if plan.think_open:
         calls.remove(_THINK_RULE)
-    return _lark(f"start: {body}", calls, what="tools", trigger=TOOL_OPEN,
+    # The grammar takes over at the trigger, its text included.
+    start, triggers = f'start: "{TOOL_OPEN}" {body}', (TOOL_OPEN,)
+    if plan.bare_calls:  # Qwen3-Coder may leave out <tool_call>: a bare call counts too
+        start += " | call"
+        triggers += tuple(f"<function={tool['name']}>" for tool in _chosen_tools(request))
+    return _lark(start, calls, what="tools", triggers=triggers,
                  armed_by=THINK_CLOSE if plan.think_open else None)
 
 
@@ -205,13 +211,13 @@ def _json(schema: dict[str, Any]) -> GrammarSpec:
         schema, overrides=JSON_STYLE), what="response_format")
 
 
-def _lark(start: str, lines: list[str], *, what: str, trigger: str | None = None,
+def _lark(start: str, lines: list[str], *, what: str, triggers: tuple[str, ...] = (),
           armed_by: str | None = None, content: dict[str, Any] | None = None) -> GrammarSpec:
     rules = [start, *lines]
     if content is not None:
         rules.append(f"content: %json {json.dumps(_styled(content))}")
     return GrammarSpec(llguidance.LLMatcher.grammar_from_lark("\n".join(rules)),
-                       trigger=trigger, armed_by=armed_by, what=what)
+                       triggers=triggers, armed_by=armed_by, what=what)
 
 
 def _styled(schema: dict[str, Any]) -> dict[str, Any]:

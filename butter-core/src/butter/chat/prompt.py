@@ -46,6 +46,8 @@ class PromptPlan:
     think_open: bool
     # The call format the model is taught: "hermes" or "qwen3_coder" (butter.chat.toolformats).
     tool_format: str = HERMES
+    # Whether the model may open a call with a bare <function=NAME> (Qwen3-Coder).
+    bare_calls: bool = False
     # Text the prompt already wrote for the model (a forced tool-call opening): the
     # answer is read as if it started with it.
     answer_prefix: str = ""
@@ -81,7 +83,8 @@ def build_prompt(request: ChatRequest, template: ChatTemplate, *,
     # A template that opened a think block lets the model think first: no forced opening.
     prefix = _forced_opening(request) if use_tools and not think_open else ""
     return PromptPlan(text=text + guard.hide(prefix), parse_tools=use_tools, think_open=think_open,
-                      tool_format=template.tool_format, answer_prefix=prefix)
+                      tool_format=template.tool_format, bare_calls=template.bare_calls,
+                      answer_prefix=prefix)
 
 
 def _forced_opening(request: ChatRequest) -> str:

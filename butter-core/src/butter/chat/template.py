@@ -19,7 +19,7 @@ import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from butter.chat.toolformats import HERMES, taught_format
+from butter.chat.toolformats import HERMES, taught_format, writes_bare_calls
 from butter.errors import TemplateError
 
 # ChatML, for checkpoints that carry no template of their own.
@@ -79,6 +79,12 @@ class ChatTemplate:
         the template's own when it renders tools, else the Hermes JSON butter writes into
         the system message for it."""
         return taught_format(self.source) if self.accepts_tools else HERMES
+
+    @property
+    def bare_calls(self) -> bool:
+        """Whether its model may write an XML call without the ``<tool_call>`` wrapper
+        (Qwen3-Coder; `butter.chat.toolformats.writes_bare_calls`)."""
+        return self.accepts_tools and writes_bare_calls(self.source)
 
     def render(
         self,

@@ -11,8 +11,9 @@ for a mask before each draw of that request (it rides in the fused batch as
 ``Work.mask``) and feeds it every drawn token.
 
 A *lazy* constraint (``tool_choice: auto``) leaves the model free until its text holds
-the trigger (the tool-call open tag); from there the call is constrained, as llama.cpp's
-lazy grammars do, and once the call closes the model is free again. A trigger can wait
+a trigger (the tool-call open tag); from there, the trigger's own text included, the
+call is constrained, as llama.cpp's lazy grammars do, and once the call closes the model
+is free again. A trigger can wait
 for another text first (``armed_by``): a call opened inside a think block is thinking,
 so under a template that opened one the trigger counts only after ``</think>``.
 """
@@ -38,10 +39,10 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 @attrs.frozen
 class GrammarSpec:
     """What a request constrains: an llguidance grammar (JSON), from the start or lazily
-    from the first ``trigger`` in the model's text."""
+    from the first of the ``triggers`` in the model's text (the grammar starts with it)."""
 
     grammar: str
-    trigger: str | None = None
+    triggers: tuple[str, ...] = ()
     armed_by: str | None = None  # the trigger counts only after this text
     what: str = "response_format"  # the field a compile error names
 
@@ -92,19 +93,19 @@ class Grammars:
             reason = matcher.get_error().strip().splitlines()[0][:300]
             raise InvalidRequestError(f"`{spec.what}` cannot be enforced: {reason}",
                                       param=spec.what)
-        return Constraint(matcher, tokenizer, trigger=spec.trigger, armed_by=spec.armed_by)
+        return Constraint(matcher, tokenizer, triggers=spec.triggers, armed_by=spec.armed_by)
 
 
 class Constraint:
     """One request's matcher; after construction only the engine thread touches it."""
 
     def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer, *,
-                 trigger: str | None, armed_by: str | None = None) -> None:
+                 triggers: tuple[str, ...] = (), armed_by: str | None = None) -> None:
         self._matcher = matcher
         self._tokenizer = tokenizer
-        self._trigger = trigger
+        self._triggers = triggers
         self._armed_by = armed_by  # None once it has been seen
-        self.active = trigger is None
+        self.active = not triggers
         self._seen = ""  # free text since the last call, while waiting for the trigger
         self._mask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
         self.failed = False
@@ -125,11 +126,11 @@ class Constraint:
         if self.active:
             if not self._matcher.consume_token(token):
                 self._give_up()
-            elif self._trigger is not None and self._matcher.is_stopped():
+            elif self._triggers and self._matcher.is_stopped():
                 self._matcher.reset()  # the call closed: the model is free again
                 self.active = False
             return
-        if self._trigger is None or self.failed:
+        if not self._triggers or self.failed:
             return
         self._seen = (self._seen + text)[-4096:]
         if self._armed_by is not None:
@@ -138,12 +139,12 @@ class Constraint:
                 return
             self._seen = self._seen[at + len(self._armed_by):]
             self._armed_by = None
-        at = self._seen.find(self._trigger)
-        if at < 0:
+        found = [at for trigger in self._triggers if (at := self._seen.find(trigger)) >= 0]
+        if not found:
             return
-        tail = self._seen[at + len(self._trigger):]
+        call = self._seen[min(found):]
         self._seen = ""
-        tokens = self._tokenizer.tokenize_str(tail) if tail else []
+        tokens = self._tokenizer.tokenize_str(call)
         if self._matcher.consume_tokens(tokens):
             self.active = True
         else:
