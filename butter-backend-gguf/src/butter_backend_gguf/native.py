@@ -359,6 +359,7 @@ class GGUFRuntime:
         if kv.window is not None:
             truncate = TruncateKind.UNTIL_WRAP
         self._snapshots: StateSnapshots | None = None
+        self._lost: set[int] = set()  # sessions a failed step left without their state
         snapshot = {}
         if model.recurrent_state:
             token_bytes, snapshot = self._start_snapshots(n_sessions)
@@ -391,6 +392,9 @@ class GGUFRuntime:
                                               "snapshot_every": snapshots.every}
 
     def step(self, work: Sequence[Work]) -> list[int | None]:
+        lost = [item.session for item in work if item.session in self._lost]
+        if lost:
+            raise StepFailedError(f"sessions {lost} lost their state in a failed step")
         if self.window is not None:
             for item in work:
                 self._shift(item.session, len(item.tokens))
@@ -422,7 +426,11 @@ class GGUFRuntime:
                     results[i] = token
         except StepFailedError:
             for session, length in before.items():  # the step as a whole did not happen
-                self.truncate(session, length)
+                if not self.truncate(session, length):
+                    # Recurrent state already past ``length`` with no snapshot there: the
+                    # session is dropped, and fails its next step rather than read on.
+                    self.truncate(session, 0)
+                    self._lost.add(session)
             raise
         return results
 
@@ -557,6 +565,8 @@ class GGUFRuntime:
         return GGUFSampler(params, self._n_vocab)
 
     def truncate(self, session: int, keep: int) -> bool:
+        if keep == 0:
+            self._lost.discard(session)
         if keep >= self._lengths[session]:
             return True
         snapshots = self._snapshots
