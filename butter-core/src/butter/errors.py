@@ -155,3 +155,27 @@ class InternalError(ButterError):
 
     def __init__(self, message: str = "The server had an internal error.") -> None:
         super().__init__(message)
+
+
+class ReplicaLostError(ButterError):
+    """The Ray Serve replica running the request died or could not be reached (Serve
+    replaces it; other replicas' requests go on)."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "replica_lost"
+
+    def __init__(self, message: str = "The replica serving this request was lost.") -> None:
+        super().__init__(message)
+
+
+class ForwardedError(ButterError):
+    """A :class:`ButterError` a Ray Serve replica raised, as the ingress re-raises it: the
+    same status, type, code, param and message as on one process."""
+
+    def __init__(self, message: str, *, status_code: int, error_type: str,
+                 code: str | None, param: str | None) -> None:
+        super().__init__(message, param=param)
+        self.status_code = status_code
+        self.error_type = error_type
+        self.code = code

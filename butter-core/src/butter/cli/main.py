@@ -58,6 +58,11 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", type=positive, default=256,
                        help=f"prompt tokens per prefill chunk, at most {MAX_BATCH}; chunks "
                             "start at multiples of it whatever else runs")
+    serve.add_argument("--speculation", choices=("none", "ngram"), default="ngram",
+                       help="ngram (default): answers that repeat their context draft those "
+                            "tokens (prompt lookup) and verify them in one pass, the same "
+                            "tokens as without; none: never (a request's `speculation: "
+                            "false` turns it off for that request)")
     serve.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default=None)
     serve.add_argument("--kv-cache", default="raw", help=KV_CODECS_HELP)
@@ -85,6 +90,13 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*")
     serve.add_argument("--log-level", default="info",
                        choices=("debug", "info", "warning", "error"))
+    ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'butter-core[ray]')")
+    ray.add_argument("--replicas", type=positive, default=None, metavar="N",
+                     help="serve N replicas of the model behind one address on Ray Serve, "
+                          "routed by prompt prefix (each takes --threads CPUs)")
+    ray.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                     help="join this Ray cluster (e.g. auto, or ray://host:10001) instead of "
+                          "starting a local one; implies --replicas 1 unless given")
     add_backend_options(serve, plugins)
 
     from butter.cli.pull import hub_id_argument

@@ -36,20 +36,13 @@ _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$", re.IGNORECASE)
 
 def run_serve(args: argparse.Namespace, plugins: Plugins) -> int:
     setup_logging(args.log_level)
+    if args.replicas is not None or args.ray_address is not None:
+        from butter.ray.launch import run_replicas  # Ray is imported only here
+
+        return run_replicas(args, plugins)
     loader, access, kv, options = check_flags(args, plugins)
     with console.status(f"Loading [bold]{args.model}[/bold]…", spinner="dots"):
-        resident = ResidentServeBackend(
-            loader, args.model,
-            allow_swap=not args.no_swap,
-            alias=args.alias,
-            maximum_concurrent_requests=args.parallel,
-            max_context=args.max_context,
-            prefill_chunk=args.prefill_chunk,
-            kv=kv,
-            backend_options=options,
-            enable_thinking=args.enable_thinking,
-            reasoning_effort=args.reasoning_effort,
-        )
+        resident = resident_backend(args, loader, kv, options)
     card = resident.model_card()
     details = card["butter"]
     console.print(
@@ -64,12 +57,34 @@ def run_serve(args: argparse.Namespace, plugins: Plugins) -> int:
     return server.exit_code
 
 
-def check_flags(args: argparse.Namespace, plugins: Plugins
+def resident_backend(args: argparse.Namespace, loader: ModelLoader, kv: KVSpec,
+                     options: dict[str, dict[str, object]], *,
+                     allow_swap: bool | None = None) -> ResidentServeBackend:
+    """The engine ``butter serve`` runs, built from its checked flags (one process, or
+    each Ray Serve replica, which passes ``allow_swap=False``)."""
+    return ResidentServeBackend(
+        loader, args.model,
+        allow_swap=not args.no_swap if allow_swap is None else allow_swap,
+        alias=args.alias,
+        maximum_concurrent_requests=args.parallel,
+        max_context=args.max_context,
+        prefill_chunk=args.prefill_chunk,
+        speculation=args.speculation,
+        kv=kv,
+        backend_options=options,
+        enable_thinking=args.enable_thinking,
+        reasoning_effort=args.reasoning_effort,
+    )
+
+
+def check_flags(args: argparse.Namespace, plugins: Plugins, *, listen: bool = True
                 ) -> tuple[ModelLoader, AccessPolicy, KVSpec, dict[str, dict[str, object]]]:
     """Refuse any flag that cannot work, before anything loads (raises :class:`UsageError`).
 
     Returns the loader, the access policy, the KV spec and the chosen back end's own
-    settings (keyed by its name, as ``ResidentServeBackend`` takes them)."""
+    settings (keyed by its name, as ``ResidentServeBackend`` takes them). ``listen=False``
+    skips the check that ``--host``/``--port`` are free (a Ray Serve replica listens on
+    nothing; Serve's proxy holds the port)."""
     if args.kv_window_keep is not None and args.kv_window_size is None:
         raise UsageError("--kv-window-keep", "needs --kv-window-size")
     window, keep = args.kv_window_size, args.kv_window_keep
@@ -101,7 +116,8 @@ def check_flags(args: argparse.Namespace, plugins: Plugins
         raise UsageError("--api-key", "the key is empty")
     access = AccessPolicy(allowed_origins=parse_origins(args.allowed_origins),
                           api_key=args.api_key, loopback_only=is_loopback(args.host))
-    check_listen(args.host, args.port)
+    if listen:
+        check_listen(args.host, args.port)
     loader = ModelLoader(backend=args.backend, threads=args.threads,
                          models_dirs=args.models_dir, allow_any_path=args.allow_any_path,
                          allow_downloads=args.allow_downloads, plugins=plugins)

@@ -1,0 +1,287 @@
+"""Both ends of a generation that crosses a Ray Serve ``DeploymentHandle``.
+
+A replica runs butter's own :class:`~butter.serving.ResidentServeBackend` and streams a
+request as records: :class:`Started` once the engine admitted the prompt, then the
+parsed deltas, then :class:`Finished` (or :class:`Failure`, a ``ButterError`` as data).
+The ingress wraps that stream in :class:`RemoteGeneration`, which quacks like
+:class:`~butter.serving.Generation`, behind :class:`RemoteBackend`, which quacks like a
+:class:`~butter.serving.ServeBackend`: the litestar app of ``butter serve``
+(:func:`butter.http.app.create_app`) serves it unchanged, every route and error with it.
+
+Cancelling a :class:`RemoteGeneration` cancels the handle call; Ray cancels the
+replica's task, whose ``finally`` cancels the engine request at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import attrs
+
+from butter.chat.recovery import Delta, ToolCall
+from butter.chat.request import ChatRequest
+from butter.errors import ButterError, ForwardedError, InternalError, ReplicaLostError
+from butter.generation import Usage
+from butter.serving import ServeBackend
+
+log = logging.getLogger("butter.ray")
+
+# A targeted call (stats, one replica's card) gives up after this long: a replica being
+# replaced must not hang /metrics.
+TARGETED_TIMEOUT = 10.0
+
+
+@attrs.frozen
+class Started:
+    prompt_tokens: int
+    replica: str
+
+
+@attrs.frozen
+class Finished:
+    finish_reason: str | None
+    stop_sequence: str | None
+    usage: Usage | None
+    tool_calls: list[ToolCall]
+
+
+@attrs.frozen
+class Failure:
+    """A :class:`ButterError` as plain data (its subclasses' constructors differ)."""
+
+    message: str
+    status_code: int
+    error_type: str
+    code: str | None
+    param: str | None
+
+    @classmethod
+    def of(cls, error: ButterError) -> Failure:
+        return cls(error.message, error.status_code, error.error_type, error.code, error.param)
+
+    def error(self) -> ForwardedError:
+        return ForwardedError(self.message, status_code=self.status_code,
+                              error_type=self.error_type, code=self.code, param=self.param)
+
+
+async def stream_generation(backend: ServeBackend, request: ChatRequest,
+                            replica: str) -> AsyncIterator[Any]:
+    """The replica's side: ``request`` on ``backend``, as records (see the module)."""
+    try:
+        generation = await backend.generate(request)
+    except ButterError as error:
+        yield Failure.of(error)
+        return
+    try:
+        yield Started(generation.prompt_tokens, replica)
+        async for delta in generation:
+            yield delta
+        yield Finished(generation.finish_reason, generation.stop_sequence, generation.usage,
+                       list(generation.tool_calls))
+    except ButterError as error:
+        yield Failure.of(error)
+    except Exception:  # never a traceback on the wire; the replica logs it
+        log.exception("generation failed on replica %s", replica)
+        yield Failure.of(InternalError())
+    finally:
+        # A hang-up reaches here as Ray's cancellation of this task.
+        generation.cancel()
+
+
+def replica_stats(backend: Any, replica: str) -> dict[str, Any]:
+    """What a replica reports of itself: load for the router, counters for /metrics."""
+    engine = backend.current.engine
+    metrics = engine.metrics
+    capacity = metrics.kv_capacity_cells or engine.capacity or 1
+    return {
+        "replica": replica,
+        "pid": os.getpid(),
+        "healthy": backend.healthy,
+        "queue": metrics.active_requests + metrics.queued_requests,
+        "active": metrics.active_requests,
+        "queued": metrics.queued_requests,
+        "sessions_busy": metrics.sessions_busy,
+        "free_kv": max(0.0, 1.0 - metrics.kv_reserved_cells / capacity),
+        "requests": metrics.requests_total,
+        "prompt_tokens": metrics.prompt_tokens,
+        "cached_tokens": metrics.cached_tokens,
+        "generated_tokens": metrics.generated_tokens,
+        "exposition": backend.metrics_text(),
+    }
+
+
+@contextlib.contextmanager
+def own_request_id() -> Iterator[None]:
+    """Give the handle call made inside a request id of its own.
+
+    Serve hands every call made while serving one HTTP request that request's internal
+    id, and its router indexes pending calls by it: two calls in flight from one request
+    (``n`` choices, /metrics asking each replica) would collide and one would never be
+    dispatched. Each call here is its own request to the replicas.
+    """
+    from ray.serve import context
+    from ray.serve._private.utils import generate_request_id
+
+    current = context._get_serve_request_context()
+    token = context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=generate_request_id()))
+    try:
+        yield
+    finally:
+        context._serve_request_context.reset(token)
+
+
+def _lost(exc: BaseException) -> ReplicaLostError:
+    log.warning("replica call failed: %s", type(exc).__name__)
+    return ReplicaLostError(f"The replica serving this request was lost "
+                            f"({type(exc).__name__}); Ray Serve replaces it.")
+
+
+class RemoteGeneration:
+    """A generation running on a replica, read through a streaming handle call."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.id = ""
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.replica = ""
+        self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.usage: Usage | None = None
+        self.tool_calls: list[ToolCall] = []
+        self._done = False
+
+    async def _next(self) -> Any:
+        import ray.exceptions
+
+        try:
+            return await self._stream.__anext__()
+        except StopAsyncIteration:
+            raise _lost(StopAsyncIteration()) from None
+        except (ray.exceptions.RayError, ConnectionError) as exc:
+            raise _lost(exc) from None
+
+    async def admitted(self) -> None:
+        try:
+            first = await self._next()
+        except BaseException:
+            self.cancel()
+            raise
+        if isinstance(first, Failure):
+            self._done = True
+            raise first.error()
+        self.prompt_tokens = first.prompt_tokens
+        self.replica = first.replica
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            while True:
+                item = await self._next()
+                if isinstance(item, Finished):
+                    self.finish_reason, self.stop_sequence = item.finish_reason, \
+                        item.stop_sequence
+                    self.usage, self.tool_calls = item.usage, item.tool_calls
+                    self._done = True
+                    return
+                if isinstance(item, Failure):
+                    self._done = True
+                    raise item.error()
+                yield item
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._stream.cancel()
+
+
+class RemoteBackend:
+    """A :class:`~butter.serving.ServeBackend` whose engines are Ray Serve replicas.
+
+    ``handle`` is the replicas' deployment handle; ``card`` the model card one replica
+    gave. ``router`` is a callable returning the handle's
+    :class:`~butter.ray.router.PrefixAffinityRouter` (it exists once the handle routed a
+    call), which names the replicas for /metrics and /health.
+    """
+
+    def __init__(self, handle: Any, card: dict, router: Any) -> None:
+        self._handle = handle
+        self._stream_handle = handle.options(stream=True)
+        self._card = card
+        self._router = router
+
+    @property
+    def model_id(self) -> str:
+        return self._card["id"]
+
+    @property
+    def healthy(self) -> bool:
+        router = self._router()
+        return router is None or bool(router.replica_ids)
+
+    def model_card(self) -> dict:
+        router = self._router()
+        replicas = len(router.replica_ids) if router is not None else None
+        return {**self._card, "butter": {**self._card["butter"], "replicas": replicas}}
+
+    async def generate(self, request: ChatRequest) -> RemoteGeneration:
+        with own_request_id():
+            call = self._stream_handle.generate.remote(request)
+        generation = RemoteGeneration(call)
+        await generation.admitted()
+        return generation
+
+    async def count_tokens(self, request: ChatRequest) -> int:
+        import ray.exceptions
+
+        with own_request_id():
+            call = self._handle.count_tokens.remote(request)
+        try:
+            result = await call
+        except (ray.exceptions.RayError, ConnectionError) as exc:
+            raise _lost(exc) from None
+        if isinstance(result, Failure):
+            raise result.error()
+        return result
+
+    async def replica_stats(self) -> list[dict[str, Any]]:
+        """Every replica's :func:`replica_stats`, each asked by id (none that fail)."""
+        from butter.ray.router import TARGET
+
+        router = self._router()
+        if router is None:
+            return []
+
+        async def ask(replica: str) -> dict[str, Any] | None:
+            with own_request_id():
+                call = self._handle.stats.remote(**{TARGET: replica})
+            try:
+                return await asyncio.wait_for(call, TARGETED_TIMEOUT)
+            except Exception as exc:
+                call.cancel()
+                log.warning("replica %s did not report: %s", replica, type(exc).__name__)
+                return None
+
+        answers = await asyncio.gather(*(ask(r) for r in router.replica_ids))
+        return [a for a in answers if a is not None]
+
+    async def metrics_text(self) -> str:
+        from butter.ray.metrics import cluster_exposition
+
+        router = self._router()
+        decisions = dict(router.decisions) if router is not None else {}
+        return cluster_exposition(await self.replica_stats(), model_id=self.model_id,
+                                  decisions=decisions)
+
+    async def aclose(self) -> None:
+        return None
