@@ -211,6 +211,7 @@ class MLXRuntime:
             truncate = TruncateKind.UNTIL_WRAP
         fork = ForkKind.COPY if rewinds else ForkKind.NONE
         self._snapshots: Snapshots | None = None
+        self._lost: set[int] = set()  # sessions a failed step left without their state
         snapshot: dict[str, int] = {}
         if kv.window is None and recurrent(make_prompt_cache(self._network)):
             # Recurrent state (a hybrid's ArraysCache layers): snapshots to resume from.
@@ -238,12 +239,17 @@ class MLXRuntime:
     # ---- steps ---------------------------------------------------------------------
 
     def step(self, work: Sequence[Work]) -> list[int | None]:
+        lost = [item.session for item in work if item.session in self._lost]
+        if lost:
+            raise StepFailedError(f"sessions {lost} lost their state in a failed step")
         before = {item.session: self._lengths[item.session] for item in work}
         try:
             return self._step(work)
         except Exception as exc:  # nothing of a failed step stays in the cache
             for session, length in before.items():
                 self._cut(session, length)
+                if self._lengths[session] != length:  # recurrent state with no snapshot
+                    self._lost.add(session)  # there: its next step fails, not reads on
             raise StepFailedError(f"MLX step failed: {type(exc).__name__}: {exc}") from exc
 
     def _step(self, work: Sequence[Work]) -> list[int | None]:
@@ -388,6 +394,8 @@ class MLXRuntime:
         return MLXSampler(params)
 
     def truncate(self, session: int, keep: int) -> bool:
+        if keep == 0:
+            self._lost.discard(session)
         length = self._lengths[session]
         if keep >= length:
             return True
