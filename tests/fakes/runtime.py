@@ -114,6 +114,8 @@ class FakeRuntime:
                           fork=fork, truncate=truncate)
         self.n_sessions = n_sessions
         self.max_batch = max_batch
+        self.max_draft = 16  # drafts verify exactly here: each draw is the plain one
+        self.verifies: list[tuple[int, tuple[int, ...], int]] = []  # session, draft, accepted
         self.options = options
         self.held: list[list[int]] = [[] for _ in range(n_sessions)]
         # Each held position's cell: an aliased fork shares its source's cells.
@@ -128,7 +130,7 @@ class FakeRuntime:
         self.fail_with: BaseException | None = None  # raised as is (not a StepFailedError)
         self.delay = 0.0  # seconds each step takes, to keep a request busy
 
-    def step(self, work: Sequence[Work]) -> list[int | None]:
+    def step(self, work: Sequence[Work]) -> list[int | tuple[int, ...] | None]:
         self._check(work)
         time.sleep(self.delay)
         if self.fail_with is not None:
@@ -137,12 +139,34 @@ class FakeRuntime:
             raise StepFailedError("scripted failure")
         self._check_room(work)
         self.steps.append([(item.session, len(item.tokens)) for item in work])
-        drawn: list[int | None] = []
+        drawn: list[int | tuple[int, ...] | None] = []
         for item in work:
+            if item.draft:
+                drawn.append(self._verify(item))
+                continue
             self.held[item.session].extend(item.tokens)
             self._cells[item.session].extend(next(self._new_cell) for _ in item.tokens)
             drawn.append(None if item.sampler is None else self._draw(item))
         return drawn
+
+    def _verify(self, item: Work) -> tuple[int, ...]:
+        """Feed the last token and the drafts one at a time, drawing after each exactly as
+        a plain step would, until a draw differs from the next draft."""
+        if item.sampler is None or item.mask is not None \
+                or tuple(item.tokens[1:]) != item.draft or len(item.draft) > self.max_draft:
+            raise ContractError(f"a malformed verify: {item}")
+        draws: list[int] = []
+        for index, token in enumerate(item.tokens):
+            self.held[item.session].append(token)
+            self._cells[item.session].append(next(self._new_cell))
+            draws.append(self._draw(item))
+            if index == len(item.draft) or draws[-1] != item.draft[index]:
+                break
+        self.verifies.append((item.session, item.draft, len(draws) - 1))
+        return tuple(draws)
+
+    def draft_room(self, session: int, draft: int) -> int:
+        return min(draft, self.max_draft)
 
     def _check(self, work: Sequence[Work]) -> None:
         sessions = [item.session for item in work]

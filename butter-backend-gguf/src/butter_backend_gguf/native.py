@@ -233,6 +233,9 @@ SPLIT_KV_FREE_CELLS = 256
 # row needs no filler; further on, the tiled path attends faster.
 ROW_BY_ROW_BELOW = 256
 TILED_MIN_ROWS = FA_ROW_BY_ROW_MAX_ROWS + 1  # ggml-cpu flash attention tiles from 64 rows
+# Drafted tokens one verify feeds at most: with the last token, under the 64 rows from
+# which flash attention tiles.
+MAX_DRAFT = 16
 
 
 _MAPPINGS_LOGGED: set[str] = set()
@@ -346,6 +349,10 @@ class GGUFRuntime:
         self.n_sessions = n_sessions
         self.max_batch = max_batch
         self._lengths = [0] * n_sessions
+        # Drafts verify exactly only where each verify row takes a plain decode row's
+        # attention path (``draft_room``): per-session streams of a model that rewinds.
+        self.max_draft = MAX_DRAFT if self.per_session and model.info.can_rewind \
+            and kv.window is None and not model.recurrent_state else 0
         self._n_vocab = model.info.n_vocab
         self._builder = BatchBuilder(max(max_batch, TILED_MIN_ROWS))
         total = int(ll.llama_n_ctx(ctx))
@@ -408,6 +415,9 @@ class GGUFRuntime:
         rows: list[int] = []
         try:
             for index, item in enumerate(work):
+                if item.draft:
+                    results[index] = self._verify(item)
+                    continue
                 if len(item.tokens) == 1 and item.sampler is not None:
                     rows.append(index)
                     continue
@@ -433,6 +443,42 @@ class GGUFRuntime:
                     self._lost.add(session)
             raise
         return results
+
+    def _verify(self, item: Work) -> tuple[int, ...]:
+        """Feed the last token and its drafts in one pass of their own, logits on every
+        row, then draw row by row as plain decoding would (the request's own chain and
+        random state) until a draw differs from the next draft; the rejected positions
+        leave the cache. ``draft_room`` kept every row inside the stream's first
+        ``SPLIT_KV_FREE_CELLS`` cells, where a pass of 2..63 rows and a plain one-token
+        row both take the row-by-row flash attention path: each row sums alike."""
+        session, draft = item.session, item.draft
+        start = self._lengths[session]
+        builder = self._builder
+        builder.clear()
+        last = builder.add(session, item.tokens, start, True)
+        first = last - len(draft)
+        for index in range(first, last):
+            builder.batch.logits[index] = 1
+        rc = ll.llama_decode(self._ctx, builder.batch)
+        if rc != 0:
+            ll.llama_memory_seq_rm(self._memory, session, start, -1)
+            raise StepFailedError(f"llama_decode failed: {DECODE_OUTCOMES.get(rc, rc)}")
+        self._lengths[session] = start + len(item.tokens)
+        draws: list[int] = []
+        for offset in range(len(draft) + 1):
+            draws.append(item.sampler.sample(self._ctx, first + offset, None))
+            if offset == len(draft) or draws[-1] != draft[offset]:
+                break
+        self.truncate(session, start + len(draws))
+        return tuple(draws)
+
+    def draft_room(self, session: int, draft: int) -> int:
+        """Drafts fit while the last verify row stays where a plain decode row takes the
+        row-by-row attention path (``_row_order``: a stream's first 256 cells)."""
+        if not self.max_draft:
+            return 0
+        room = SPLIT_KV_FREE_CELLS - 1 - self._lengths[session]
+        return max(0, min(draft, room, self.max_draft))
 
     def _row_order(self, work: Sequence[Work], rows: list[int]) -> list[int]:
         """One-token rows in the order that fixes how llama.cpp micro-batches them.

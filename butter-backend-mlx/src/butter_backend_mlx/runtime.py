@@ -187,6 +187,7 @@ class MLXRuntime:
         on_cpu = mx.default_device() == mx.cpu
         step = int(options.get("prefill_step") or (CPU_PREFILL_STEP if on_cpu else max_batch))
         self.max_batch = max(1, min(max_batch, step))
+        self.max_draft = 0  # drafts are not verified here yet
         self._caches: list[list | None] = [None] * n_sessions
         self._lengths = [0] * n_sessions
         self._batch: list | None = None  # batched caches per layer, rows = self._members
@@ -389,6 +390,9 @@ class MLXRuntime:
             layer.filter(keep)
 
     # ---- sessions ------------------------------------------------------------------
+
+    def draft_room(self, session: int, draft: int) -> int:
+        return min(draft, self.max_draft)
 
     def new_sampler(self, params: SamplingParams) -> MLXSampler:
         return MLXSampler(params)

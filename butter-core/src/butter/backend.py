@@ -171,6 +171,14 @@ class Work:
     # Tokens the draw may pick: a packed int32 bitmask (bit ``t % 32`` of word ``t // 32``
     # set means token ``t`` is allowed), as a grammar engine writes it; None: any token.
     mask: object | None = None
+    # Speculation: ``tokens`` ends with these drafted tokens (``tokens[0]`` is the last
+    # drawn one). The runtime draws at each of the last ``len(draft) + 1`` positions in
+    # order, exactly as plain decoding would draw there, and stops at the first draw that
+    # differs from the draft token after it; ``step`` returns that item's draws as a tuple
+    # (the accepted drafts, then the draw that ended them) and drops the rejected
+    # positions from the cache. Only with a sampler and no mask, on a runtime with
+    # ``max_draft`` at least ``len(draft)``.
+    draft: tuple[int, ...] = ()
 
 
 class StepFailedError(RuntimeError):
@@ -199,11 +207,18 @@ class Runtime(Protocol):
     kv: KVFacts
     n_sessions: int
     max_batch: int  # tokens one step may feed across sessions
+    # The longest ``Work.draft`` this runtime verifies exactly (0: it does not speculate).
+    max_draft: int
 
-    def step(self, work: Sequence[Work]) -> list[int | None]:
+    def step(self, work: Sequence[Work]) -> list[int | tuple[int, ...] | None]:
         """Feed every item's tokens in one pass (or as the back end runs them) and draw
-        a token for each item with a sampler; return it per item (None without one).
+        a token for each item with a sampler; return it per item (None without one; a
+        tuple of draws for an item with a ``draft``).
         Raise :class:`StepFailedError` when the step cannot run: nothing is appended."""
+
+    def draft_room(self, session: int, draft: int) -> int:
+        """How many of ``draft`` drafted tokens ``session``'s next step may verify on the
+        attention path a plain decode row there would take (0: decode it plainly)."""
 
     def new_sampler(self, params: SamplingParams) -> Sampler: ...
 

@@ -24,6 +24,7 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias -100..100)
     min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest; 0: off
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k best
+    speculation: bool = True  # False: never draft (``speculation: false``); same tokens
 
     @property
     def penalised(self) -> bool:
@@ -60,6 +61,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Speculation (prompt lookup): drafted tokens that became completion tokens, and
+    # drafted tokens a verify turned down (OpenAI's ``completion_tokens_details`` names).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -54,7 +54,8 @@ from butter.wire.fields import generation_params
 
 GENERATE_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop", "tools",
                               "chat", "ignore_eos", "min_tokens", "top_k", "frequency_penalty",
-                              "presence_penalty", "repetition_penalty", "logit_bias", "min_p"})
+                              "presence_penalty", "repetition_penalty", "logit_bias", "min_p",
+                              "speculation"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -149,7 +150,8 @@ class Model:
 
     def engine_config(self, *, parallel: int = 1, capacity: int | None = None,
                       prefill_chunk: int = 256, kv: KVSpec | None = None,
-                      options: Mapping[str, object] | None = None) -> EngineConfig:
+                      options: Mapping[str, object] | None = None,
+                      speculation: str = "ngram") -> EngineConfig:
         """The engine settings for this model (``butter serve``'s flags); ``options`` are
         its back end's own settings (``Backend.options``), refused with a 400 if it does
         not declare one or a value cannot work."""
@@ -157,7 +159,7 @@ class Model:
         layout = self.backend.session_layout(options, parallel)
         return EngineConfig(parallel=parallel, capacity=capacity or self.info.n_ctx_train,
                             prefill_chunk=prefill_chunk, n_sessions=layout.n_sessions,
-                            kv=kv or KVSpec(), options=options)
+                            kv=kv or KVSpec(), options=options, speculation=speculation)
 
     @property
     def key(self) -> str:

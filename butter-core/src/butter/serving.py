@@ -111,14 +111,17 @@ def choice_requests(request: ChatRequest) -> list[ChatRequest]:
 
 def combined_usage(per_prompt: list[list[Usage | None]]) -> Usage:
     """Usage of several choices: each prompt counted once, every completion counted."""
-    prompt = cached = completion = 0
+    prompt = cached = completion = accepted = rejected = 0
     for usages in per_prompt:
         known = [u for u in usages if u is not None]
         if known:
             prompt += known[0].prompt_tokens
             cached += known[0].cached_tokens
             completion += sum(u.completion_tokens for u in known)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+            accepted += sum(u.accepted_prediction_tokens for u in known)
+            rejected += sum(u.rejected_prediction_tokens for u in known)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
+                 accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
 
 
 class Choices:
@@ -220,14 +223,14 @@ class ButterServeBackend:
                  prefill_chunk: int = 256, kv: KVSpec | None = None,
                  backend_options: Mapping[str, Mapping[str, object]] | None = None,
                  enable_thinking: bool | None = None,
-                 reasoning_effort: str | None = None) -> None:
+                 reasoning_effort: str | None = None, speculation: str = "ngram") -> None:
         self.model = model
         self._model_id = model_id or model.model_id
         self.enable_thinking = enable_thinking
         self.reasoning_effort = reasoning_effort
         self.engine = model.start_engine(model.engine_config(
             parallel=maximum_concurrent_requests, capacity=max_context,
-            prefill_chunk=prefill_chunk, kv=kv,
+            prefill_chunk=prefill_chunk, kv=kv, speculation=speculation,
             options=(backend_options or {}).get(model.backend.name)))
 
     @property

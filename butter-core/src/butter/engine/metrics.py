@@ -66,6 +66,9 @@ class Metrics:
     prefill_tokens: int = 0
     decode_steps: int = 0
     model_passes: int = 0
+    draft_verifies: int = 0  # decode rows that carried drafted tokens
+    draft_tokens: int = 0  # drafted tokens verified
+    draft_accepted_tokens: int = 0  # drafted tokens equal to what decoding drew
     cancellations: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(CANCEL_PHASES, 0))
     # Gauges.
     active_requests: int = 0
@@ -143,6 +146,14 @@ class _Exposition(Collector):
                             "Engine steps that decoded at least one token.", m.decode_steps)
         yield self._counter("butter_model_passes_total", "Native model calls (llama_decode).",
                             m.model_passes)
+        yield self._counter("butter_speculative_verifies_total",
+                            "Decode rows that verified drafted tokens (prompt lookup).",
+                            m.draft_verifies)
+        yield self._counter("butter_speculative_drafted_tokens_total",
+                            "Drafted tokens verified.", m.draft_tokens)
+        yield self._counter("butter_speculative_accepted_tokens_total",
+                            "Drafted tokens equal to the token decoding drew.",
+                            m.draft_accepted_tokens)
         cancellations = CounterMetricFamily("butter_cancellations_total",
                                             "Requests cancelled, by phase.",
                                             labels=("model", "phase"))

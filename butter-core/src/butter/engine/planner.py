@@ -6,7 +6,8 @@ the policy is tested step by step (``tests/core/test_planner.py``).
 
 The rules:
 
-- Every decoding request feeds its last token (one row each).
+- Every decoding request feeds its last token (one row each), and the tokens ``draft``
+  proposes after it while the step has room (speculation: the runtime verifies them).
 - Prefill chunks end at multiples of ``prefill_chunk`` (absolute positions), whatever else
   runs: a prompt is cut the same way alone or batched, so its cache is computed the same
   way.
@@ -43,6 +44,8 @@ class Planner:
     max_batch: int  # tokens one step may feed across sessions (the runtime's)
     prefill_chunk: int  # prefill chunks end at multiples of it
     mask: Callable[[Request], object | None] = lambda request: None
+    # Up to ``limit`` drafted tokens to verify after a decoding request's last token.
+    draft: Callable[[Request, int], tuple[int, ...]] = lambda request, limit: ()
     _waited: set[int] = attrs.field(factory=set)  # request ids that waited last step
 
     def tick(self, active: Sequence[Request]) -> list[Planned]:
@@ -59,10 +62,18 @@ class Planner:
         # Decoding rows that waited go first (stable: otherwise in the order they came).
         by_wait = sorted(decoding, key=lambda r: r.id not in self._waited)
         held = {r.id for r in by_wait[room:]}
-        plan = [Planned(r, Work(r.session.seq_id, (r.last_token,), r.sampler, self.mask(r)))
-                for r in decoding if r.id not in held]
+        # Rows drafts may take: never the room the next prefill chunk needs.
+        spare = room - len(decoding) - (self._chunk(prefilling[0], size) if prefilling else 0)
+        plan = []
+        for r in decoding:
+            if r.id in held:
+                continue
+            draft = self.draft(r, spare) if spare > 0 else ()
+            spare -= len(draft)
+            plan.append(Planned(r, Work(r.session.seq_id, (r.last_token, *draft), r.sampler,
+                                        self.mask(r), draft)))
         waited = set(held)
-        budget = self.max_batch - len(plan)
+        budget = self.max_batch - sum(len(p.work.tokens) for p in plan)
         planned = ending = False
         for request in prefilling:
             start = request.next_prefill

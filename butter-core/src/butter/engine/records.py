@@ -16,6 +16,7 @@ from butter.generation import GenerationParams, Logprob
 
 if TYPE_CHECKING:
     from butter.engine.constraint import Constraint
+    from butter.engine.speculation import Drafter
 
 _request_ids = itertools.count(1)
 
@@ -70,3 +71,6 @@ class Request:
     detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
     stops: StopMatcher | None = None
     logprobs: list[Logprob] = attrs.field(factory=list)  # drawn, not yet sent
+    drafter: Drafter | None = None  # prompt lookup, when this request speculates
+    accepted_tokens: int = 0  # drafted tokens that became completion tokens
+    rejected_tokens: int = 0  # drafted tokens a verify turned down

@@ -31,6 +31,7 @@ from butter.backend import (
     SamplingParams,
     StepFailedError,
     TokenLogprob,
+    TruncateKind,
     Work,
 )
 from butter.engine.admission import Admission
@@ -38,6 +39,7 @@ from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta
 from butter.engine.metrics import Metrics
 from butter.engine.planner import Planner
 from butter.engine.records import Phase, Request, Session
+from butter.engine.speculation import Drafter
 from butter.engine.text import StopMatcher
 from butter.errors import ButterError, EngineStoppedError, InternalError, InvalidRequestError
 from butter.generation import Logprob, TokenChoice, Usage
@@ -56,6 +58,9 @@ class EngineConfig:
     max_batch: int = 512  # tokens one step may feed across sessions
     prefill_chunk: int = 256  # prefill chunks end at multiples of it
     kv: KVSpec = KVSpec()
+    # ``ngram``: requests draft from their own context (prompt lookup) where the runtime
+    # verifies exactly; ``none``: never (``--speculation``).
+    speculation: str = "ngram"
     # The back end's own settings (``Backend.options``), checked, passed through.
     options: dict = attrs.field(factory=dict)
 
@@ -156,7 +161,8 @@ class Engine:
             self._admission = Admission(self._runtime.kv, self.config.parallel,
                                         self._runtime.reachable)
             self._planner = Planner(max_batch=self._runtime.max_batch,
-                                    prefill_chunk=self.config.prefill_chunk, mask=self._mask)
+                                    prefill_chunk=self.config.prefill_chunk, mask=self._mask,
+                                    draft=self._draft)
             self.metrics.sessions_total = len(self._sessions)
             self.metrics.kv_capacity_cells = self._admission.capacity
             self.metrics.kv_budget_bytes = self._runtime.kv.budget_bytes
@@ -291,6 +297,9 @@ class Engine:
             min_p=params.min_p, logprobs=params.logprobs)
         request.sampler = self._runtime.new_sampler(request.sampling)
         request.stops = StopMatcher(params.stop)
+        if self._speculates(request):
+            request.drafter = Drafter(max_draft=self._runtime.max_draft)
+            request.drafter.extend(request.prompt_tokens)
         self.metrics.cached_tokens += reuse
         self._active.append(request)
 
@@ -318,6 +327,29 @@ class Engine:
             return reuse
         session.tokens[:] = source.tokens[:shared]
         return shared
+
+    def _speculates(self, request: Request) -> bool:
+        """Whether ``request`` drafts: the server and the request allow it, the runtime
+        verifies drafts and can drop rejected positions, and each draw depends on nothing
+        a draft would have to guess (a grammar's state; logprobs are per draw)."""
+        kv = self._runtime.kv
+        return self.config.speculation == "ngram" and request.params.speculation \
+            and self._runtime.max_draft > 0 and kv.truncate is TruncateKind.ANYWHERE \
+            and kv.window is None and request.constraint is None \
+            and request.params.logprobs is None
+
+    def _draft(self, request: Request, limit: int) -> tuple[int, ...]:
+        """The tokens ``request`` drafts after its last one (at most ``limit``): never more
+        than its answer may still take, nor than the runtime verifies exactly there."""
+        drafter = request.drafter
+        if drafter is None:
+            return ()
+        # Plain decoding feeds at most max_tokens - 1 answer tokens: so do verifies.
+        limit = min(limit, request.max_tokens - len(request.generated) - 1)
+        draft = drafter.propose(limit)
+        if draft:
+            draft = draft[:self._runtime.draft_room(request.session.seq_id, len(draft))]
+        return draft
 
     # ---- one model pass ------------------------------------------------------------
 
@@ -357,6 +389,9 @@ class Engine:
             self._run_work(plan[half:])
             return
         for (request, work), token in zip(plan, tokens):
+            if work.draft:
+                self._verified(request, work, token)
+                continue
             request.session.tokens.extend(work.tokens)
             if request.phase is Phase.PREFILL:
                 request.next_prefill += len(work.tokens)
@@ -367,6 +402,25 @@ class Engine:
                 if last is not None and request.params.logprobs is not None:
                     request.logprobs.append(self._logprob(last))
                 self._on_token(request, token)
+
+    def _verified(self, request: Request, work: Work, draws: tuple[int, ...]) -> None:
+        """Take a verify's draws: the accepted drafts, then the draw that ended them. The
+        runtime kept the last token and the accepted drafts in the cache."""
+        accepted = len(draws) - 1
+        request.session.tokens.extend(work.tokens[:1 + accepted])
+        request.drafter.verified(len(work.draft), accepted)
+        rejected = len(work.draft) - accepted
+        request.rejected_tokens += rejected
+        metrics = self.metrics
+        metrics.draft_verifies += 1
+        metrics.draft_tokens += len(work.draft)
+        metrics.draft_accepted_tokens += accepted
+        for index, token in enumerate(draws):
+            if request.phase is Phase.DONE:  # it ended (stop, length): the rest is no answer
+                break
+            if index < accepted:
+                request.accepted_tokens += 1
+            self._on_token(request, token)
 
     def _fail(self, requests: list[Request]) -> None:
         """End ``requests`` with an internal error and drop their (now unknown) KV."""
@@ -388,6 +442,8 @@ class Engine:
         request.last_token_at = now
         request.generated.append(token)
         request.last_token = token
+        if request.drafter is not None:
+            request.drafter.extend([token])
         request.phase = Phase.DECODE
         self.metrics.generated_tokens += 1
         params = request.params
@@ -455,6 +511,8 @@ class Engine:
             prompt_tokens=len(request.prompt_tokens),
             completion_tokens=len(request.generated),
             cached_tokens=request.cached_tokens,
+            accepted_prediction_tokens=request.accepted_tokens,
+            rejected_prediction_tokens=request.rejected_tokens,
         )
 
     def _update_gauges(self) -> None:

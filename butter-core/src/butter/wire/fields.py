@@ -159,6 +159,7 @@ def generation_params(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ..
         repetition_penalty=number(body, "repetition_penalty", 1.0, low=0.01, high=10.0),
         logit_bias=logit_bias(body.get("logit_bias")),
         min_p=number(body, "min_p", 0.0, low=0.0, high=1.0),
+        speculation=boolean(body, "speculation") is not False,
     )
 
 
@@ -198,6 +199,8 @@ SAMPLING = {
     "seed": {"type": "integer"},
     "ignore_eos": {"type": "boolean"},
     "min_tokens": {"type": "integer", "minimum": 0},
+    # butter's own: false turns prompt-lookup speculation off (the tokens are the same).
+    "speculation": {"type": "boolean"},
     "stream": {"type": "boolean"},
     "top_k": {"type": "integer", "minimum": -1},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},

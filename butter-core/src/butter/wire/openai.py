@@ -213,6 +213,9 @@ def usage_body(usage: Usage | None) -> dict[str, Any]:
         "total_tokens": usage.total_tokens,
         "cached_tokens": usage.cached_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens},
     }
 
 
