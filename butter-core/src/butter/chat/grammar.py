@@ -42,8 +42,7 @@ from butter.errors import InvalidRequestError
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
-# Thinking, up to and including the close tag the template's model writes; then the blank
-# line the template puts after it.
+# Thinking, up to and including its close tag, then the blank line the template writes.
 _THINK = 'think "\\n"{0,2} '
 _THINK_RULE = r"think[lazy]: /(?s:.*)<\/think>/"
 _XML_END = "\\n</parameter>\\n"
@@ -55,29 +54,27 @@ _MAX_BOUND = 2048
 def grammar_for(request: ChatRequest, plan: PromptPlan) -> GrammarSpec | None:
     """The grammar ``request`` must follow, or None when its answer is free."""
     content = request.response_format.schema if request.response_format else None
-    think = _THINK if plan.think_open else ""
+    # Under a template-opened think block, what is held starts after the thinking.
+    think, think_rules = (_THINK, [_THINK_RULE]) if plan.think_open else ("", [])
     if not plan.parse_tools:
         if content is None:
             return None
         if not think:
             return _json(content)
-        return _lark(f"start: {think}content", [_THINK_RULE], what="response_format",
+        return _lark(f"start: {think}content", think_rules, what="response_format",
                      content=content)
     calls = _call_rules(request, plan.tool_format)
     body = _call_body(plan.tool_format)
-    if think:
-        calls.append(_THINK_RULE)
     if request.tool_choice.mode in ("required", "function"):
         if plan.answer_prefix:  # the prompt already opened the call: the rest of it
             rest = _call_body(plan.tool_format, opened=plan.answer_prefix)
             return _lark(f"start: {rest}", calls, what="tool_choice")
-        return _lark(f'start: {think}"{TOOL_OPEN}" {body}', calls, what="tool_choice")
+        return _lark(f'start: {think}"{TOOL_OPEN}" {body}', calls + think_rules,
+                     what="tool_choice")
     if content is not None:
-        return _lark(f'start: {think}(content | "{TOOL_OPEN}" {body})', calls,
+        return _lark(f'start: {think}(content | "{TOOL_OPEN}" {body})', calls + think_rules,
                      what="response_format", content=content)
-    if plan.think_open:
-        calls.remove(_THINK_RULE)
-    # The grammar takes over at the trigger, its text included.
+    # Lazy: the grammar takes over at a trigger, its text included (after </think>).
     start, triggers = f'start: "{TOOL_OPEN}" {body}', (TOOL_OPEN,)
     if plan.bare_calls:  # Qwen3-Coder may leave out <tool_call>: a bare call counts too
         start += " | call"
