@@ -54,43 +54,54 @@ def test_tool_rounds_reuse_the_previous_prompt_from_a_snapshot(hybrid) -> None:
 
 SHORT = "Describe a lighthouse keeper's morning."
 LONG = notes(40, "the harbour") + "\nSummarise these notes."  # past 256 cells: split rows
-MODEL = "Qwen3.5-tiny-F16"  # the id butter gives the fixture's file
 MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
 
 
-async def ask(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
-              sampling: dict) -> str:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+async def ask(client: httpx.AsyncClient, server: ServerProcess, prompt: str,
+              max_tokens: int, sampling: dict) -> str:
+    body = {"model": server.model_id, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "ignore_eos": True, **sampling}
-    response = await client.post(f"{url}/chat/completions", json=body)
+    response = await client.post(f"{server.base_url}/chat/completions", json=body)
     assert response.status_code == 200, response.text
     message = response.json()["choices"][0]["message"]
     return (message.get("reasoning_content") or "") + "|" + (message.get("content") or "")
 
 
-async def scenario(url: str, prompt: str, sampling: dict) -> tuple[str, str, str]:
+async def scenario(server: ServerProcess, prompt: str, sampling: dict) -> tuple[str, str, str]:
     async with httpx.AsyncClient(timeout=300) as client:
-        alone = await ask(client, url, prompt, 24, sampling)
-        others = [ask(client, url, notes(30, "the quay") + "\nSummarise.", 16,
+        alone = await ask(client, server, prompt, 24, sampling)
+        others = [ask(client, server, notes(30, "the quay") + "\nSummarise.", 16,
                       {"temperature": 0.8}),
-                  ask(client, url, "Explain how bread rises.", 24, {"temperature": 0.0}),
-                  ask(client, url, "Tell me about the first railway.", 24,
+                  ask(client, server, "Explain how bread rises.", 24, {"temperature": 0.0}),
+                  ask(client, server, "Tell me about the first railway.", 24,
                       {"temperature": 0.8, "seed": 7})]
-        fused, *_ = await asyncio.gather(ask(client, url, prompt, 24, sampling), *others)
-        again = await ask(client, url, prompt, 24, sampling)
+        fused, *_ = await asyncio.gather(ask(client, server, prompt, 24, sampling), *others)
+        again = await ask(client, server, prompt, 24, sampling)
     return alone, fused, again
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "long"])
 def test_a_hybrid_answer_is_the_same_alone_fused_and_again(hybrid, prompt, mode) -> None:
-    assert hybrid.model_id == MODEL
     before = hybrid.metrics()["butter_model_passes_total"]
-    alone, fused, again = asyncio.run(scenario(hybrid.base_url, prompt, MODES[mode]))
+    alone, fused, again = asyncio.run(scenario(hybrid, prompt, MODES[mode]))
     assert fused == alone
     assert again == alone
     # Fused: four requests' decode rows share passes (fewer passes than one per row).
     assert hybrid.metrics()["butter_model_passes_total"] - before < 3 * 24 + 16 + 24
+
+
+def test_a_hybrid_mixture_of_experts_answer_is_the_same_alone_fused_and_again(
+        tiny_qwen35_moe_gguf) -> None:
+    server = ServerProcess("--parallel", "4", "--max-context", "8192",
+                           model=str(tiny_qwen35_moe_gguf))
+    server.model_id = server.models()[0]["id"]
+    try:
+        for sampling in MODES.values():
+            alone, fused, again = asyncio.run(scenario(server, SHORT, sampling))
+            assert fused == alone and again == alone
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -12,14 +13,18 @@ TOOLS = [{"type": "function", "function": {
         "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
 
 
-def tool_rounds(url: str, model: str, rounds: int = 5) -> list[tuple[int, int]]:
-    """A tool conversation resending every message each round; (prompt, cached) per round."""
+def tool_rounds(url: str, model: str, rounds: int = 5,
+                record: list[list[dict]] | None = None) -> list[tuple[int, int]]:
+    """A tool conversation resending every message each round; (prompt, cached) per round.
+    ``record`` gets each round's messages as sent (to replay them elsewhere)."""
     messages = [{"role": "system", "content": "You are a travel assistant. Use tools."},
                 {"role": "user", "content": "Plan a trip to Lisbon, Porto, Madrid, Seville "
                                             "and Valencia. Check the weather in each."}]
     usage = []
     with httpx.Client(timeout=300) as client:
         for n in range(rounds):
+            if record is not None:
+                record.append(copy.deepcopy(messages))
             response = client.post(f"{url}/chat/completions", json={
                 "model": model, "messages": messages, "tools": TOOLS,
                 "tool_choice": "required", "max_tokens": 40, "temperature": 0.0})
