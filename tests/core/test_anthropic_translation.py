@@ -92,7 +92,8 @@ def test_content_blocks_and_a_tool_round_trip() -> None:
     ))
     assert chat.messages == [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"role": "assistant", "content": "Let me check.",
+         "reasoning_content": "I should call it.", "tool_calls": [
             {"id": "toolu_1", "type": "function",
              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
             {"id": "toolu_2", "type": "function",

@@ -320,6 +320,30 @@ async def test_openai_thinking_off_answers_in_content(qwen35: str) -> None:
         assert calls_of(message.tool_calls) == [("get_weather", ARGUMENTS)]
 
 
+async def test_reasoning_sent_back_reaches_the_template(qwen35: str) -> None:
+    # Qwen3.5's template shows the model its reasoning again within a tool loop (after
+    # the last user turn), so a round that resends it keeps the prompt the model wrote.
+    scripted = backend("Sunny it is.", "Sunny it is.", qwen35=qwen35)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}
+    await openai_client(scripted).chat.completions.create(model="scripted", tools=TOOLS,
+        messages=[*ASK, {"role": "assistant", "content": None, "reasoning_content": THOUGHT,
+                         "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "10:00"}])
+    await anthropic_client(scripted).messages.create(
+        model="scripted", max_tokens=50, tools=ANTHROPIC_TOOLS, messages=[
+            *ASK, {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": THOUGHT, "signature": ""},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_time",
+                 "input": {"zone": "CET"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": "10:00"}]}])
+    turn = (f"<|im_start|>assistant\n<think>\n{THOUGHT}\n</think>\n\n<tool_call>\n"
+            "<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n"
+            "</tool_call><|im_end|>")
+    assert all(turn in plan.text for plan in scripted.plans), scripted.plans[0].text
+
+
 def anthropic_blocks(message: Any) -> list[tuple[str, Any]]:
     out = []
     for block in message.content:

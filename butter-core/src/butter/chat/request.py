@@ -87,6 +87,12 @@ def _message(item: Any, index: int) -> dict[str, Any]:
                                                                      f"{where}.content")}
     if role == "assistant" and item.get("tool_calls"):
         message["tool_calls"] = _history_tool_calls(item["tool_calls"], where)
+    # An answer's reasoning sent back (vLLM's and llama-server's field; ``reasoning`` is
+    # what some clients call it): templates that show reasoning (Qwen3.5, within a tool
+    # loop) render it, the others ignore it.
+    reasoning = item.get("reasoning_content", item.get("reasoning"))
+    if role == "assistant" and isinstance(reasoning, str) and reasoning:
+        message["reasoning_content"] = reasoning
     if role == "tool":
         message["tool_call_id"] = str(item.get("tool_call_id") or "")
     if isinstance(item.get("name"), str):

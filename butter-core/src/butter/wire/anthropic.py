@@ -170,6 +170,7 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def _assistant_turn(content: Any, where: str) -> dict[str, Any]:
     text: list[str] = []
+    thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     for position, block in enumerate(_blocks(content, where)):
         at = f"{where}.content[{position}]"
@@ -178,12 +179,19 @@ def _assistant_turn(content: Any, where: str) -> dict[str, Any]:
             text.append(content_text([block], at))
         elif kind == "tool_use":
             calls.append(_tool_use(block, at))
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # earlier reasoning is not shown to the model again
+        elif kind == "thinking":
+            # Handed to the template as reasoning_content: one that shows reasoning
+            # (Qwen3.5, within a tool loop) shows the model its own again.
+            if isinstance(block.get("thinking"), str):
+                thinking.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # nothing butter can read
         else:
             raise InvalidRequestError(f"`{at}` is a `{kind}` block; assistant turns may hold "
                                       "`text`, `thinking` and `tool_use` blocks.", param=at)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)
     if calls:
         message["tool_calls"] = calls
     return message
