@@ -13,9 +13,9 @@ for a mask before each draw of that request (it rides in the fused batch as
 A *lazy* constraint (``tool_choice: auto``) leaves the model free until its text holds
 a trigger (the tool-call open tag); from there, the trigger's own text included, the
 call is constrained, as llama.cpp's lazy grammars do, and once the call closes the model
-is free again. A trigger can wait
-for another text first (``armed_by``): a call opened inside a think block is thinking,
-so under a template that opened one the trigger counts only after ``</think>``.
+is free again. A trigger can wait for another text first (``armed_by``): a call opened
+inside a think block is thinking, so under a template that opened one the trigger counts
+only after ``</think>``.
 """
 
 from __future__ import annotations
