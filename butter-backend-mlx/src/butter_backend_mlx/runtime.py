@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("butter.mlx")
 
 GRANULE = KVCache.step  # mlx-lm grows a cache 256 positions at a time
+MAX_DRAFT = 12  # drafted tokens one verify pass feeds at most
 
 
 # mlx-lm architectures whose logits are exactly the output head applied to
@@ -187,7 +188,8 @@ class MLXRuntime:
         on_cpu = mx.default_device() == mx.cpu
         step = int(options.get("prefill_step") or (CPU_PREFILL_STEP if on_cpu else max_batch))
         self.max_batch = max(1, min(max_batch, step))
-        self.max_draft = 0  # drafts are not verified here yet
+        # Drafts verify on caches that cut anywhere (no window, no recurrent state).
+        self.max_draft = MAX_DRAFT if model.info.can_rewind and kv.window is None else 0
         self._caches: list[list | None] = [None] * n_sessions
         self._lengths = [0] * n_sessions
         self._batch: list | None = None  # batched caches per layer, rows = self._members
@@ -257,13 +259,16 @@ class MLXRuntime:
         if self._snapshots is not None:
             work = [self._read_head(item) for item in work]
         results: list[int | None] = [None] * len(work)
+        for i, item in enumerate(work):
+            if item.draft:
+                results[i] = self._verify(item)
         decode = [i for i, item in enumerate(work)
-                  if len(item.tokens) == 1 and item.sampler is not None
+                  if not item.draft and len(item.tokens) == 1 and item.sampler is not None
                   and self._lengths[item.session] > 0]
         if not (self.fused and len(decode) > 1):
             decode = []
         batched = set(decode)
-        rest = [i for i in range(len(work)) if i not in batched]
+        rest = [i for i in range(len(work)) if i not in batched and not work[i].draft]
         if decode:
             self._decode_batch(work, decode, results)
         groups: dict[int, list[int]] = {}
@@ -310,6 +315,28 @@ class MLXRuntime:
             results[index] = item.sampler.sample(logits[0], item.mask)
         else:
             mx.eval([c.state for c in caches])
+
+    def _verify(self, item: Work) -> tuple[int, ...]:
+        """The last token and its drafts in one pass of the session's own caches, logits
+        at every position; draws in order with the request's own sampler (its random key
+        and penalties as plain decoding advances them) until one differs from the next
+        draft; the rejected positions are trimmed from the caches."""
+        session, draft = item.session, item.draft
+        self._leave_batch(session)
+        caches = self._caches[session]
+        if caches is None:
+            caches = self._caches[session] = self._new_caches()
+        start = self._lengths[session]
+        logits = self._network(mx.array([list(item.tokens)]), cache=caches)[0]
+        mx.eval(logits)
+        self._lengths[session] = start + len(item.tokens)
+        draws: list[int] = []
+        for offset in range(len(draft) + 1):
+            draws.append(item.sampler.sample(logits[offset], None))
+            if offset == len(draft) or draws[-1] != draft[offset]:
+                break
+        self._cut(session, start + len(draws))
+        return tuple(draws)
 
     def _merged_pass(self, work: Sequence[Work], indices: list[int],
                      results: list[int | None]) -> None:
