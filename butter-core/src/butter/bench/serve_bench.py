@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import secrets
 import sys
@@ -141,6 +142,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lanes per wave that carry --long-prompt (default 1)")
     parser.add_argument("--waves", type=int, default=1, help="synchronized waves per level")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every number here")
+    parser.add_argument("--plot", type=Path, metavar="FILE",
+                        help="also draw tokens/s and TTFT against lanes into FILE (.png or "
+                             ".svg; needs matplotlib: pip install 'butter-core[bench]')")
+    parser.add_argument("--label", default=None,
+                        help="the chart's name for this run (default: the model id)")
 
 
 # -------------------------------------------------------------------------- requests
@@ -614,6 +620,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"butter serve-bench: {exc}", file=sys.stderr)
         return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any request
+        print("butter serve-bench: --plot needs matplotlib: pip install 'butter-core[bench]'",
+              file=sys.stderr)
+        return 2
     outcome = asyncio.run(_checked_run(config, console))
     if isinstance(outcome, str):
         print(f"butter serve-bench: {outcome}", file=sys.stderr)
@@ -621,4 +631,17 @@ def run(args: argparse.Namespace) -> int:
     print_report(outcome, console)
     if args.json:
         args.json.write_text(json.dumps(outcome.to_dict(), indent=2) + "\n")
+    if args.plot:
+        from butter.bench.plot import plot
+
+        plot({args.label or config.model: chart_points(outcome)}, args.plot,
+             title=f"butter serve-bench, {config.max_tokens} tokens out")
     return 0 if outcome.ok else 1
+
+
+def chart_points(report: BenchReport) -> list:
+    """``report``'s levels as chart points (``butter.bench.plot``)."""
+    from butter.bench.plot import Point
+
+    return [Point(level.concurrency, level.completion_tok_s, level.ttft_p50)
+            for level in report.levels]

@@ -1,0 +1,61 @@
+"""Charts of benchmark runs: tokens/s and time to first token against lanes.
+
+One line per server or setting, drawn by matplotlib (``pip install 'butter-core[bench]'``)
+into a PNG or SVG (the file's suffix says which). ``butter serve-bench --plot FILE`` draws
+its own run; the ``bench/`` scripts draw several servers' runs on the same axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import attrs
+
+
+@attrs.frozen
+class Point:
+    """One concurrency level of one server or setting."""
+
+    lanes: int
+    tokens_per_s: float | None  # completion tokens per second, every lane together
+    ttft_s: float | None  # median time to first token, seconds
+
+
+def plot(series: Mapping[str, Sequence[Point]], path: Path, *, title: str = "") -> Path:
+    """Draw ``series`` (label: its points) as two panels, tokens/s and TTFT against
+    lanes, into ``path``; raise ``RuntimeError`` if matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("charts need matplotlib: pip install 'butter-core[bench]'") from exc
+    figure, (speed, ttft) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    lanes: set[int] = set()
+    for label, points in series.items():
+        points = sorted(points, key=lambda p: p.lanes)
+        lanes.update(p.lanes for p in points)
+        style = "--" if "off" in label or "none" in label or "default" in label else "-"
+        for axis, value in ((speed, lambda p: p.tokens_per_s),
+                            (ttft, lambda p: None if p.ttft_s is None else p.ttft_s * 1000)):
+            shown = [(p.lanes, value(p)) for p in points if value(p) is not None]
+            if shown:
+                axis.plot(*zip(*shown), style, marker="o", label=label)
+    speed.set(xlabel="lanes (concurrent requests)", ylabel="completion tokens/s",
+              title="throughput (higher is better)")
+    ttft.set(xlabel="lanes (concurrent requests)", ylabel="TTFT p50 (ms)",
+             title="time to first token (lower is better)")
+    for axis in (speed, ttft):
+        axis.set_xticks(sorted(lanes))
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    speed.legend(fontsize="small")
+    if title:
+        figure.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
