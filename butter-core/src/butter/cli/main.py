@@ -97,6 +97,9 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
     ray.add_argument("--ray-address", default=None, metavar="ADDRESS",
                      help="join this Ray cluster (e.g. auto, or ray://host:10001) instead of "
                           "starting a local one; implies --replicas 1 unless given")
+    ray.add_argument("--ray-router", choices=("prefix", "pow2"), default=None,
+                     help="how the ingress picks a replica: prefix affinity with load "
+                          "(default), or Serve's power-of-two choices (a baseline)")
     add_backend_options(serve, plugins)
 
     from butter.cli.pull import hub_id_argument

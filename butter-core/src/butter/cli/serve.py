@@ -40,6 +40,8 @@ def run_serve(args: argparse.Namespace, plugins: Plugins) -> int:
         from butter.ray.launch import run_replicas  # Ray is imported only here
 
         return run_replicas(args, plugins)
+    if args.ray_router is not None:
+        raise UsageError("--ray-router", "applies to --replicas or --ray-address")
     loader, access, kv, options = check_flags(args, plugins)
     with console.status(f"Loading [bold]{args.model}[/bold]…", spinner="dots"):
         resident = resident_backend(args, loader, kv, options)

@@ -50,7 +50,7 @@ def build_app(args: argparse.Namespace, cpus: int) -> Any:
 
     from butter.http.protocol import MAX_CONNECTIONS
     from butter.ray.deployments import ButterIngress, ButterReplica
-    from butter.ray.router import PrefixAffinityRouter
+    from butter.ray.router import PrefixAffinityRouter, TargetablePowerOfTwoRouter
 
     replica = ButterReplica.options(
         num_replicas=args.replicas,
@@ -58,7 +58,8 @@ def build_app(args: argparse.Namespace, cpus: int) -> Any:
         max_ongoing_requests=REPLICA_MAX_ONGOING,
         health_check_period_s=2,
         request_router_config=RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter,
+            request_router_class=(TargetablePowerOfTwoRouter if args.ray_router == "pow2"
+                                  else PrefixAffinityRouter),
             request_router_kwargs={"imbalance": max(2, args.parallel)},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD,
             request_routing_stats_timeout_s=5,

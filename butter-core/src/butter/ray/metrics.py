@@ -8,7 +8,8 @@ Every replica is asked for its counters and its own engine exposition (the same 
   rate (cached / prompt tokens), queue length, active requests, busy sessions, free KV;
 - ``butter_cluster_replicas``: how many replicas answered;
 - ``butter_router_decisions_total{kind}``: the ingress router's choices (affinity, new
-  tenant, imbalance overrode affinity, targeted);
+  tenant, imbalance overrode affinity, targeted); ``butter_router_inflight{replica}``:
+  the requests it counts on each replica (its load signal);
 - every replica's engine series with a ``replica`` label added.
 """
 
@@ -41,17 +42,19 @@ def hit_rate(cached: float, prompt: float) -> float:
 
 
 def cluster_exposition(stats: list[dict[str, Any]], *, model_id: str,
-                       decisions: dict[str, int]) -> str:
+                       decisions: dict[str, int], inflight: dict[str, int] | None = None
+                       ) -> str:
     """The Prometheus text of ``stats`` (each replica's ``replica_stats``)."""
-    return generate_latest(_Cluster(stats, model_id, decisions)).decode()
+    return generate_latest(_Cluster(stats, model_id, decisions, inflight or {})).decode()
 
 
 class _Cluster(Collector):
     def __init__(self, stats: list[dict[str, Any]], model_id: str,
-                 decisions: dict[str, int]) -> None:
+                 decisions: dict[str, int], inflight: dict[str, int]) -> None:
         self.stats = sorted(stats, key=lambda s: s["replica"])
         self.model_id = model_id
         self.decisions = decisions
+        self.inflight = inflight
 
     def _rows(self) -> Iterator[tuple[str, dict[str, Any]]]:
         total: dict[str, Any] = {}
@@ -103,6 +106,12 @@ class _Cluster(Collector):
         for kind, value in sorted(self.decisions.items()):
             decided.add_metric((self.model_id, kind), value)
         yield decided
+        routed = GaugeMetricFamily("butter_router_inflight",
+                                   "Requests the ingress's router has on each replica (its "
+                                   "load signal).", labels=labels)
+        for replica, count in sorted(self.inflight.items()):
+            routed.add_metric((self.model_id, replica), count)
+        yield routed
         yield from merge_replicas((row["replica"], row.get("exposition", ""))
                                   for row in self.stats)
 

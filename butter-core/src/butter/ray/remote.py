@@ -272,16 +272,23 @@ class RemoteBackend:
                 log.warning("replica %s did not report: %s", replica, type(exc).__name__)
                 return None
 
-        answers = await asyncio.gather(*(ask(r) for r in router.replica_ids))
-        return [a for a in answers if a is not None]
+        wanted = router.replica_ids
+        found: dict[str, dict[str, Any]] = {}
+        for _ in range(3):  # a router whose FIFO may hand an aimed call elsewhere: retry
+            answers = await asyncio.gather(*(ask(r) for r in wanted if r not in found))
+            found.update((a["replica"], a) for a in answers if a is not None)
+            if all(r in found for r in wanted):
+                break
+        return [found[r] for r in wanted if r in found]
 
     async def metrics_text(self) -> str:
         from butter.ray.metrics import cluster_exposition
 
         router = self._router()
         decisions = dict(router.decisions) if router is not None else {}
+        inflight = dict(getattr(router, "inflight", {})) if router is not None else {}
         return cluster_exposition(await self.replica_stats(), model_id=self.model_id,
-                                  decisions=decisions)
+                                  decisions=decisions, inflight=inflight)
 
     async def aclose(self) -> None:
         return None

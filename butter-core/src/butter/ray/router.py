@@ -35,6 +35,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 log = logging.getLogger("butter.ray")
@@ -154,6 +155,11 @@ class PrefixAffinityRouter(RequestRouter):
         """The unique ids of the replicas this router may send to now."""
         return sorted(replica_id.unique_id for replica_id in self._replicas)
 
+    @property
+    def inflight(self) -> dict[str, int]:
+        """Requests this router has on each replica now (the load it routes by)."""
+        return {rid.unique_id: self._inflight.get(rid, 0) for rid in self._replicas}
+
     def load(self, replica: RunningReplica, now: float | None = None) -> int:
         """Requests on ``replica``: this router's own (exact), else what it reported.
 
@@ -219,7 +225,7 @@ class PrefixAffinityRouter(RequestRouter):
             first = min(eligible, key=lambda r: (loads[r.replica_id],
                                                  len(self._table(r.replica_id))))
         self._chosen[pending_request.metadata.internal_request_id] = (first.replica_id, now)
-        log.debug("route %s (%d blocks): %s; loads %s, matched %s", hashes[:1], len(hashes),
+        log.info("route %s (%d blocks): %s; loads %s, matched %s", hashes[:1], len(hashes),
                   first.replica_id.unique_id,
                   {r.replica_id.unique_id: v for r, v in zip(by_load, map(
                       lambda r: loads[r.replica_id], by_load))},
@@ -261,3 +267,32 @@ class PrefixAffinityRouter(RequestRouter):
         if table is None:
             table = self._tables[replica_id] = PrefixTable(self.max_blocks)
         return table
+
+
+class TargetablePowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Serve's default power-of-two router, as it is, plus calls aimed at one replica by
+    id (``/metrics`` asks each): ``--ray-router pow2``, the baseline the prefix router is
+    measured against. Its FIFO matching may hand an aimed call to another replica; the
+    ingress then retries that replica."""
+
+    def initialize_state(self, **_ignored: Any) -> None:
+        self.decisions = {"pow2": 0, "targeted": 0}
+        if self._deployment_id is not None:
+            from butter.ray.registry import ROUTERS
+
+            ROUTERS[self._deployment_id.name] = self
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return sorted(replica_id.unique_id for replica_id in self._replicas)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        target = pending_request.kwargs.get(TARGET) if pending_request is not None else None
+        if target is None:
+            self.decisions["pow2"] += 1
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        self.decisions["targeted"] += 1
+        pending_request.routing_context.should_backoff = True
+        return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
