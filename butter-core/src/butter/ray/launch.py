@@ -29,10 +29,11 @@ def default_threads(replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // replicas)
 
 
-def prepare(args: argparse.Namespace, plugins: Plugins, *, listen: bool
+def prepare(args: argparse.Namespace, plugins: Plugins, *, listen: bool, local: bool
             ) -> tuple[argparse.Namespace, int]:
     """Check every flag as ``butter serve`` does; the flags the replicas get (``--threads``
-    settled) and the CPUs each replica takes. Raises :class:`UsageError`."""
+    settled: this machine's cores shared when ``local``, else 1) and the CPUs each
+    replica takes. Raises :class:`UsageError`."""
     from butter.cli.serve import check_flags
 
     args = copy.copy(args)
@@ -40,7 +41,7 @@ def prepare(args: argparse.Namespace, plugins: Plugins, *, listen: bool
     loader, _access, _kv, _options = check_flags(args, plugins, listen=listen)
     backend = loader.check(loader.find(args.model, trusted=True)).backend
     if backend.takes_threads and args.threads is None:
-        args.threads = default_threads(args.replicas)
+        args.threads = default_threads(args.replicas) if local else 1
     return args, (args.threads if backend.takes_threads else 1)
 
 
@@ -91,7 +92,7 @@ def app_from_options(options: dict[str, Any]) -> Any:
     except SystemExit:
         raise ValueError(f"butter.ray:app: bad arguments {options!r}") from None
     try:
-        args, cpus = prepare(args, plugins, listen=False)
+        args, cpus = prepare(args, plugins, listen=False, local=False)
     except UsageError as error:
         raise ValueError(f"butter.ray:app: {error}") from None
     return build_app(args, cpus)
@@ -105,8 +106,8 @@ def run_replicas(args: argparse.Namespace, plugins: Plugins) -> int:
     except ImportError:
         raise UsageError("--replicas", "needs Ray Serve: pip install 'butter-core[ray]'") \
             from None
-    args, cpus = prepare(args, plugins, listen=True)
     local = args.ray_address is None
+    args, cpus = prepare(args, plugins, listen=True, local=local)
     if local and cpus * args.replicas > (os.cpu_count() or 1):
         raise UsageError("--replicas", f"{args.replicas} replicas of {cpus} CPU(s) each need "
                          f"{cpus * args.replicas} CPUs; this machine has {os.cpu_count()}")
