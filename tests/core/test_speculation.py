@@ -141,6 +141,7 @@ def test_a_verify_never_feeds_past_what_plain_decoding_would(engine_for):
 def test_drafter_proposes_what_followed_the_last_match_and_pauses_after_misses():
     drafter = Drafter(max_draft=4)
     drafter.extend([5, 6, 7, 8, 9, 1, 5, 6])
+    drafter.verified(4, 4)
     assert drafter.propose(10) == (7, 8, 9, 1)
     assert drafter.propose(2) == (7, 8)
     drafter.verified(4, 0)  # nothing accepted: one plain token before looking again
@@ -156,6 +157,17 @@ def test_drafter_proposes_what_followed_the_last_match_and_pauses_after_misses()
     fresh = Drafter()
     fresh.extend([1, 2, 3])
     assert fresh.propose(4) == ()  # no earlier match: no draft
+
+
+def test_drafts_are_as_long_as_they_pay_for_the_lanes_decoding():
+    sure, unsure = Drafter(max_draft=16), Drafter(max_draft=16)
+    for _ in range(6):
+        sure.verified(12, 12)
+        unsure.verified(4, 1)
+    assert sure.length(1) == 16 and 1 < sure.length(8) < sure.length(1)
+    # Rows beside seven other decoding requests pay only for near-certain drafts: an
+    # unsure request drafts a single token to keep measuring.
+    assert unsure.length(1) <= 2 and unsure.length(8) == 1
 
 
 def test_planner_drafts_only_into_room_the_next_prefill_chunk_does_not_need():

@@ -75,4 +75,7 @@ def test_speculation_gives_the_tokens_plain_decoding_gives(server, mode) -> None
         - before["butter_speculative_drafted_tokens_total"]
     kept = after["butter_speculative_accepted_tokens_total"] \
         - before["butter_speculative_accepted_tokens_total"]
-    assert drafted >= kept >= 3 * accepted["accepted_prediction_tokens"]
+    # Beside three others a request drafts fewer tokens (they share each pass's cost).
+    counted = sum(answers[name]["usage"]["completion_tokens_details"]
+                  ["accepted_prediction_tokens"] for name in ("alone", "fused", "again"))
+    assert drafted >= kept >= counted

@@ -414,9 +414,12 @@ class GGUFRuntime:
         results: list[int | None] = [None] * len(work)
         rows: list[int] = []
         try:
+            verifies = [index for index, item in enumerate(work) if item.draft]
+            if verifies:
+                for index, draws in zip(verifies, self._verify([work[i] for i in verifies])):
+                    results[index] = draws
             for index, item in enumerate(work):
                 if item.draft:
-                    results[index] = self._verify(item)
                     continue
                 if len(item.tokens) == 1 and item.sampler is not None:
                     rows.append(index)
@@ -444,33 +447,40 @@ class GGUFRuntime:
             raise
         return results
 
-    def _verify(self, item: Work) -> tuple[int, ...]:
-        """Feed the last token and its drafts in one pass of their own, logits on every
-        row, then draw row by row as plain decoding would (the request's own chain and
-        random state) until a draw differs from the next draft; the rejected positions
-        leave the cache. ``draft_room`` kept every row inside the stream's first
-        ``SPLIT_KV_FREE_CELLS`` cells, where a pass of 2..63 rows and a plain one-token
-        row both take the row-by-row flash attention path: each row sums alike."""
-        session, draft = item.session, item.draft
-        start = self._lengths[session]
+    def _verify(self, items: Sequence[Work]) -> list[tuple[int, ...]]:
+        """Feed every drafting session's last token and drafts in one pass of their own,
+        logits on every row, then draw row by row as plain decoding would (each
+        request's own chain and random state) until a draw differs from the next draft;
+        the rejected positions leave the cache. ``draft_room`` kept every row inside its
+        stream's first ``SPLIT_KV_FREE_CELLS`` cells, where ggml's flash attention takes
+        the row-by-row path however llama.cpp cuts the pass into micro-batches, as it
+        does for a plain one-token row there: each row sums alike."""
         builder = self._builder
         builder.clear()
-        last = builder.add(session, item.tokens, start, True)
-        first = last - len(draft)
-        for index in range(first, last):
-            builder.batch.logits[index] = 1
+        starts, firsts = [], []
+        for item in items:
+            start = self._lengths[item.session]
+            last = builder.add(item.session, item.tokens, start, True)
+            for index in range(last - len(item.draft), last):
+                builder.batch.logits[index] = 1
+            starts.append(start)
+            firsts.append(last - len(item.draft))
         rc = ll.llama_decode(self._ctx, builder.batch)
         if rc != 0:
-            ll.llama_memory_seq_rm(self._memory, session, start, -1)
+            for item, start in zip(items, starts):
+                ll.llama_memory_seq_rm(self._memory, item.session, start, -1)
             raise StepFailedError(f"llama_decode failed: {DECODE_OUTCOMES.get(rc, rc)}")
-        self._lengths[session] = start + len(item.tokens)
-        draws: list[int] = []
-        for offset in range(len(draft) + 1):
-            draws.append(item.sampler.sample(self._ctx, first + offset, None))
-            if offset == len(draft) or draws[-1] != draft[offset]:
-                break
-        self.truncate(session, start + len(draws))
-        return tuple(draws)
+        results = []
+        for item, start, first in zip(items, starts, firsts):
+            self._lengths[item.session] = start + len(item.tokens)
+            draft, draws = item.draft, []
+            for offset in range(len(draft) + 1):
+                draws.append(item.sampler.sample(self._ctx, first + offset, None))
+                if offset == len(draft) or draws[-1] != draft[offset]:
+                    break
+            self.truncate(item.session, start + len(draws))
+            results.append(tuple(draws))
+        return results
 
     def draft_room(self, session: int, draft: int) -> int:
         """Drafts fit while the last verify row stays where a plain decode row takes the

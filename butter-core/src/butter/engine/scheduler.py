@@ -346,7 +346,8 @@ class Engine:
             return ()
         # Plain decoding feeds at most max_tokens - 1 answer tokens: so do verifies.
         limit = min(limit, request.max_tokens - len(request.generated) - 1)
-        draft = drafter.propose(limit)
+        lanes = sum(1 for r in self._active if r.phase is Phase.DECODE)
+        draft = drafter.propose(limit, lanes)
         if draft:
             draft = draft[:self._runtime.draft_room(request.session.seq_id, len(draft))]
         return draft

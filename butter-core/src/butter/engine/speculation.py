@@ -11,6 +11,13 @@ A request drafts only when a match exists, and stops drafting while its drafts k
 failing: each verify that accepts nothing doubles the number of tokens it then decodes
 plainly before it looks again (from 1 up to ``MAX_PAUSE``); a verify that accepts
 something clears the pause.
+
+How many tokens it drafts follows what a drafted row is worth. A verify row costs about
+what one more decode row costs (``ROW_COST``: on SmolLM2 on a CPU a pass is roughly a
+fixed part plus one as large per row), so the i-th draft pays only while the chance
+that it and every draft before it are accepted, ``p ** i``, beats ``worth(lanes)``:
+one half alone, 8/9 beside seven other decoding requests, whose fixed cost is already
+shared. ``p`` is the request's own per-token acceptance, counted over its recent verifies.
 """
 
 from __future__ import annotations
@@ -21,6 +28,15 @@ NGRAM = 3  # tokens that must match (llama-server's ngram-simple looks at as few
 MIN_NGRAM = 2  # a shorter match is tried when the longest finds nothing
 MAX_DRAFT = 12  # drafted tokens per verify at most
 MAX_PAUSE = 64  # plain tokens after failed verifies, at most
+ROW_COST = 1.0  # a pass's fixed cost over one row's cost (both measured per pass)
+DECAY = 0.8  # the weight the acceptance count keeps per verify
+PRIOR = (8.0, 1.0)  # accepted and rejected tokens assumed before the first verify
+
+
+def worth(lanes: int) -> float:
+    """The acceptance chance above which one more drafted row pays, with ``lanes``
+    requests decoding together (they share each pass's fixed cost)."""
+    return lanes / (lanes + ROW_COST)
 
 
 @attrs.define(slots=True)
@@ -34,6 +50,8 @@ class Drafter:
     _penalty: int = 1  # the next pause after a verify that accepted nothing
     drafted: int = 0
     accepted: int = 0
+    _hits: float = 0.0  # accepted tokens, decayed per verify
+    _misses: float = 0.0  # verifies that rejected a token, decayed likewise
 
     def extend(self, tokens: list[int]) -> None:
         """Add the context's next tokens (the prompt, then each drawn token)."""
@@ -50,10 +68,27 @@ class Drafter:
             if self._pause:
                 self._pause -= 1
 
-    def propose(self, limit: int) -> tuple[int, ...]:
+    @property
+    def acceptance(self) -> float:
+        """The chance that a drafted token is accepted, given the one before it was."""
+        hits, misses = self._hits + PRIOR[0], self._misses + PRIOR[1]
+        return hits / (hits + misses)
+
+    def length(self, lanes: int) -> int:
+        """How many drafted tokens pay with ``lanes`` requests decoding (at least one,
+        so a request that decodes among many still learns its acceptance)."""
+        p, floor = self.acceptance, worth(lanes)
+        count, chance = 0, p
+        while chance > floor and count < self.max_draft:
+            count += 1
+            chance *= p
+        return max(count, 1)
+
+    def propose(self, limit: int, lanes: int = 1) -> tuple[int, ...]:
         """Up to ``limit`` tokens that followed the latest earlier match of the context's
-        last n-gram (the longest n that matches), or none."""
-        limit = min(limit, self.max_draft)
+        last n-gram (the longest n that matches), as many as pay with ``lanes``
+        requests decoding; or none."""
+        limit = min(limit, self.max_draft, self.length(lanes))
         history = self._history
         if limit <= 0 or self._pause or len(history) < MIN_NGRAM + 1:
             return ()
@@ -67,6 +102,8 @@ class Drafter:
         """Record a verify: ``accepted`` of ``drafted`` tokens were what plain decoding drew."""
         self.drafted += drafted
         self.accepted += accepted
+        self._hits = self._hits * DECAY + accepted
+        self._misses = self._misses * DECAY + (accepted < drafted)
         if accepted:
             self._penalty = 1
         else:
