@@ -1,0 +1,71 @@
+"""The prefix router's key and tables, and the cluster exposition, without a cluster."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from butter.ray.metrics import cluster_exposition
+from butter.ray.router import PrefixTable, block_hashes, routing_key
+from butter.wire.anthropic import parse_messages_request
+from butter.wire.openai import parse_chat_completion
+
+SYSTEM = "You are the archivist. " * 20
+TOOLS = [{"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}]
+
+
+def test_openai_and_anthropic_bodies_key_alike_system_first():
+    openai = parse_chat_completion({"model": "m", "messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which day?"}]})
+    anthropic = parse_messages_request({"model": "m", "max_tokens": 5, "system": SYSTEM,
+                                        "messages": [{"role": "user", "content": "Which day?"}]})
+    assert routing_key(openai) == routing_key(anthropic)
+    assert routing_key(openai).startswith("system\x1f" + SYSTEM)
+
+
+def test_tools_come_after_the_system_prompt_and_before_the_conversation():
+    request = parse_chat_completion({"model": "m", "tools": TOOLS, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "system", "content": SYSTEM}]})
+    key = routing_key(request)
+    assert key.index(SYSTEM) < key.index('"look"') < key.index("user\x1fHi")
+
+
+def test_a_longer_conversation_extends_the_same_blocks():
+    first = parse_chat_completion({"model": "m", "messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Q1"}]})
+    later = parse_chat_completion({"model": "m", "messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]})
+    short, long = block_hashes(routing_key(first), 64), block_hashes(routing_key(later), 64)
+    assert short and long[:len(short)] == short
+    table = PrefixTable(max_blocks=100)
+    table.insert(short)
+    assert table.matched(long) == len(short)
+    other = block_hashes(routing_key(parse_chat_completion({"model": "m", "messages": [
+        {"role": "system", "content": "Another house. " * 30}]})), 64)
+    assert table.matched(other) == 0
+
+
+def test_a_table_forgets_its_least_recent_blocks_first():
+    table = PrefixTable(max_blocks=3)
+    table.insert([1, 2, 3])
+    table.insert([1])  # used again
+    table.insert([4])
+    assert table.matched([1]) == 1 and table.matched([2]) == 0 and len(table) == 3
+
+
+def test_cluster_exposition_has_each_replica_and_the_total():
+    engine = ('# HELP butter_requests_total Requests.\n# TYPE butter_requests_total counter\n'
+              'butter_requests_total{model="m"} 3.0\n')
+    stats = [{"replica": "a", "requests": 3, "prompt_tokens": 100, "cached_tokens": 80,
+              "queue": 1, "free_kv": 0.5, "pid": 11, "exposition": engine},
+             {"replica": "b", "requests": 1, "prompt_tokens": 100, "cached_tokens": 0,
+              "queue": 0, "free_kv": 1.0, "pid": 12, "exposition": engine}]
+    text = cluster_exposition(stats, model_id="m", decisions={"affinity": 2},
+                              inflight={"a": 1, "b": 0})
+    samples = {(s.name, s.labels.get("replica")): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("butter_cluster_requests_total", "total")] == 4
+    assert samples[("butter_cluster_prefix_hit_rate", "a")] == 0.8
+    assert samples[("butter_cluster_prefix_hit_rate", "total")] == 0.4
+    assert samples[("butter_requests_total", "b")] == 3  # each engine's own series
+    assert samples[("butter_router_inflight", "a")] == 1
