@@ -1,0 +1,207 @@
+"""Speculation: butter's prompt lookup on and off against llama-server's --spec-type.
+
+Each setting is a server started alone (the machine has two cores), asked every workload
+of ``bench/data/speculation.json`` (quote, edit, tool, plain) at each lane count: the
+lanes send their request together, greedy, streamed. The settings run in one pass in the
+order given, butter's default first and again last (``--aa``): the two butter-on rows are
+an A/A pair whose spread is the noise of the run.
+
+Reported per workload, setting and lanes: completion tokens/s (every lane's tokens over
+the wave's wall time), TTFT p50, and where the server says so, drafted and accepted
+tokens, the acceptance rate and the tokens each verify produced (butter: /metrics;
+llama-server: the ``timings`` of its streams). ``--plot DIR`` draws one chart per workload
+(``butter.bench.plot``): tokens/s and TTFT against lanes, one line per setting.
+
+    .venv/bin/python bench/speculation.py --plot bench/results --json bench/results/spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import httpx
+from rich import box
+from rich.table import Table
+
+from butter.bench.plot import Point, plot
+
+DATA = common.REPO / "bench" / "data" / "speculation.json"
+LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-cache", "ngram-map-k", "ngram-mod")
+
+
+def settings(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """(label, server, extra flags) in run order."""
+    runs = [("butter spec on", "butter", []),
+            ("butter spec off", "butter", ["--speculation", "none"]),
+            ("llama-server default", "peer", [])]
+    runs += [(f"llama-server {kind}", "peer", ["--spec-type", kind]) for kind in args.spec_types]
+    if args.aa:
+        runs.append(("butter spec on (A/A)", "butter", []))
+    return runs
+
+
+def workload_messages(workload: str, lane: int, data: dict) -> list[dict]:
+    messages = data["workloads"][workload]
+    if workload == "plain":  # each lane its own question
+        return messages[lane % len(messages)]
+    return messages
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict[str, Any]:
+    """Stream one chat completion; the TTFT, tokens and the server's timings."""
+    started = time.perf_counter()
+    first = None
+    usage: dict = {}
+    timings: dict = {}
+    async with client.stream("POST", f"{url}/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any((c.get("delta") or {}).get("content")
+                                     for c in chunk.get("choices") or ()):
+                first = time.perf_counter() - started
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+    return {"ttft": first, "tokens": usage.get("completion_tokens", 0), "usage": usage,
+            "timings": timings}
+
+
+async def wave(url: str, workload: str, lanes: int, data: dict, max_tokens: int) -> dict:
+    limits = httpx.Limits(max_connections=lanes + 1)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+        bodies = [{"model": common.MODEL_ID, "messages": workload_messages(workload, lane, data),
+                   "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                   "stream_options": {"include_usage": True}} for lane in range(lanes)]
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(client, url, body) for body in bodies))
+        wall = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    drafted = sum(r["timings"].get("draft_n", 0) for r in results)
+    accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in results)
+    return {"lanes": lanes, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "ttft_p50": common.median(ttfts), "peer_drafted": drafted,
+            "peer_accepted": accepted}
+
+
+def butter_counters(root: str) -> dict[str, float]:
+    text = httpx.get(f"{root}/metrics", timeout=10).text
+    wanted = ("butter_speculative_verifies_total", "butter_speculative_drafted_tokens_total",
+              "butter_speculative_accepted_tokens_total", "butter_model_passes_total")
+    found = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in wanted:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def run_setting(label: str, server: str, flags: list[str], args: argparse.Namespace,
+                data: dict, logs: Path) -> list[dict]:
+    plan = common.ServerPlan(name=server, parallel=max(args.lanes), slot_context=2048,
+                             threads=args.threads, llama_server=args.llama_server)
+
+    def command(port: int) -> list[str]:
+        return plan.command(port) + flags
+
+    rows = []
+    with common.spawned(label.replace(" ", "-"), command, logs) as (root, _, _):
+        url = f"{root}/v1"
+        asyncio.run(wave(url, "plain", 1, data, 8))  # warm-up: first-pass costs
+        for workload in args.workloads:
+            for lanes in args.lanes:
+                before = butter_counters(root) if server == "butter" else {}
+                row = asyncio.run(wave(url, workload, lanes, data, args.max_tokens))
+                if server == "butter":
+                    after = butter_counters(root)
+                    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                    row["drafted"] = delta.get("butter_speculative_drafted_tokens_total", 0)
+                    row["accepted"] = delta.get("butter_speculative_accepted_tokens_total", 0)
+                    row["verifies"] = delta.get("butter_speculative_verifies_total", 0)
+                else:
+                    row["drafted"], row["accepted"] = row["peer_drafted"], row["peer_accepted"]
+                    row["verifies"] = None
+                row.update(setting=label, workload=workload,
+                           load=round(os.getloadavg()[0], 2))
+                common.console.print(
+                    f"{label:28} {workload:6} {lanes} lanes: {row['tok_s']:7.1f} tok/s, "
+                    f"TTFT p50 {1000 * (row['ttft_p50'] or 0):7.0f} ms, "
+                    f"drafted {row['drafted']:.0f} accepted {row['accepted']:.0f} "
+                    f"(load {row['load']})")
+                rows.append(row)
+    return rows
+
+
+def table(rows: list[dict], workload: str) -> Table:
+    out = Table(title=f"{workload}: greedy, tokens/s and TTFT by lanes", box=box.SIMPLE_HEAD)
+    for column in ("setting", "lanes", "tok/s", "TTFT p50 ms", "accept", "tok/verify"):
+        out.add_column(column, justify="left" if column == "setting" else "right")
+    for row in rows:
+        if row["workload"] != workload:
+            continue
+        rate = row["accepted"] / row["drafted"] if row["drafted"] else None
+        per = (row["accepted"] + row["verifies"]) / row["verifies"] \
+            if row.get("verifies") else None
+        out.add_row(row["setting"], str(row["lanes"]), f"{row['tok_s']:.1f}",
+                    f"{1000 * (row['ttft_p50'] or 0):.0f}",
+                    "-" if rate is None else f"{rate:.2f}",
+                    "-" if per is None else f"{per:.2f}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-server", type=Path, default=common.default_llama_server())
+    parser.add_argument("--lanes", type=lambda t: [int(x) for x in t.split(",")],
+                        default=[1, 4, 8])
+    parser.add_argument("--workloads", type=lambda t: t.split(","),
+                        default=["quote", "edit", "tool", "plain"])
+    parser.add_argument("--spec-types", type=lambda t: [x for x in t.split(",") if x],
+                        default=list(LLAMA_SPEC_TYPES),
+                        help="llama-server --spec-type values to run (comma-separated)")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
+                        help="run butter's default again last (the A/A pair)")
+    parser.add_argument("--only", choices=("butter", "peer"), help="one server's settings")
+    parser.add_argument("--log-dir", type=Path)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="charts, one per workload")
+    args = parser.parse_args()
+    data = json.loads(DATA.read_text())
+    logs = common.log_dir(args)
+    rows: list[dict] = []
+    for label, server, flags in settings(args):
+        if args.only and server != args.only:
+            continue
+        rows += run_setting(label, server, flags, args, data, logs)
+        if args.json:  # after each setting: a late failure keeps what ran
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"max_tokens": args.max_tokens, "rows": rows},
+                                            indent=1) + "\n")
+    for workload in args.workloads:
+        common.console.print(table(rows, workload))
+        if args.plot:
+            series: dict[str, list[Point]] = {}
+            for row in rows:
+                if row["workload"] == workload:
+                    series.setdefault(row["setting"], []).append(
+                        Point(row["lanes"], row["tok_s"], row["ttft_p50"]))
+            path = plot(series, args.plot / f"speculation-{workload}.png",
+                        title=f"{workload} workload, SmolLM2 Q4_1, greedy, "
+                              f"{args.max_tokens} tokens at most, {args.threads} threads")
+            common.console.print(f"[dim]chart: {path}[/dim]")
+
+
+if __name__ == "__main__":
+    main()
