@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 
 TENANTS = 8
+REQUEST_TIMEOUT = 240.0  # seconds; a request past it counts as failed, the run goes on
 WORDS = ("ledger", "harbour", "copper", "meadow", "lantern", "archive", "granite", "willow",
          "saffron", "beacon", "orchard", "compass", "thistle", "quarry", "falcon", "ember")
 
@@ -128,6 +129,7 @@ async def workload(root: str, *, requests: int, concurrency: int, seed: int,
     for index, tenant in enumerate(order):
         queue.put_nowait((index, tenant))
     results: list[dict] = []
+    failures: list[str] = []
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
@@ -135,7 +137,17 @@ async def workload(root: str, *, requests: int, concurrency: int, seed: int,
             async with locks[tenant]:
                 history = histories[tenant]
                 history.append({"role": "user", "content": f"Question {index}: which day?"})
-                answer = await one_request(client, root, list(history), max_tokens)
+                try:
+                    answer = await asyncio.wait_for(
+                        one_request(client, root, list(history), max_tokens), REQUEST_TIMEOUT)
+                except (TimeoutError, httpx.HTTPError) as exc:
+                    failures.append(f"request {index} (tenant {tenant}): {exc!r}")
+                    history.pop()
+                    continue
+                if answer["usage"] is None:
+                    failures.append(f"request {index} (tenant {tenant}): no usage (error event)")
+                    history.pop()
+                    continue
                 history.append({"role": "assistant", "content": answer["text"]})
                 # Keep each conversation inside a session's 2,048 cells.
                 if len(history) > 9:
@@ -150,7 +162,7 @@ async def workload(root: str, *, requests: int, concurrency: int, seed: int,
     cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results)
     completion = sum(r["usage"]["completion_tokens"] for r in results)
     ttfts = sorted(r["ttft"] for r in results)
-    return {"requests": len(results), "wall_s": round(wall, 2),
+    return {"requests": len(results), "failed": failures, "wall_s": round(wall, 2),
             "completion_tok_s": round(completion / wall, 2),
             "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
             "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),

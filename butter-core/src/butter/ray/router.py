@@ -47,6 +47,9 @@ CHOSEN_TTL = 2.0
 # queue counts again (Serve polls record_routing_stats every second).
 STATS_STALE = 3.0
 
+# The replica method whose requests fill a KV cache: the only one routed by prefix.
+ROUTED_METHOD = "generate"
+
 # The keyword a handle call carries to reach one replica by its id (stats, metrics).
 TARGET = "butter_replica"
 
@@ -204,8 +207,9 @@ class PrefixAffinityRouter(RequestRouter):
         # Equal loads in random order: ties must not all fall to the first replica.
         shuffled = random.sample(candidate_replicas, len(candidate_replicas))
         by_load = sorted(shuffled, key=lambda r: loads[r.replica_id])
-        if pending_request is None or not pending_request.args:
-            return [[r] for r in by_load]
+        if (pending_request is None or not pending_request.args
+                or pending_request.metadata.call_method != ROUTED_METHOD):
+            return [[r] for r in by_load]  # count_tokens, the card: load alone
         hashes = block_hashes(routing_key(pending_request.args[0]), self.block_chars)
         self._hashes[pending_request.metadata.internal_request_id] = hashes
         least = loads[by_load[0].replica_id]
