@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from butter.ray.metrics import cluster_exposition
@@ -69,3 +74,28 @@ def test_cluster_exposition_has_each_replica_and_the_total():
     assert samples[("butter_cluster_prefix_hit_rate", "total")] == 0.4
     assert samples[("butter_requests_total", "b")] == 3  # each engine's own series
     assert samples[("butter_router_inflight", "a")] == 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def butter_serve(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "butter", "serve", "--model", "smollm2",
+                           "--port", str(free_port()), *flags],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_ray_router_without_replicas_is_a_usage_error():
+    done = butter_serve("--ray-router", "pow2")
+    assert done.returncode == 2
+    assert "--ray-router: applies to --replicas or --ray-address" in done.stderr
+
+
+def test_more_replica_cpus_than_cores_is_refused_before_starting_ray():
+    cores = os.cpu_count() or 1
+    done = butter_serve("--replicas", str(cores + 1), "--threads", "1")
+    assert done.returncode == 2
+    assert f"each need {cores + 1} CPUs; this machine has {cores}" in done.stderr
