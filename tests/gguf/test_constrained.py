@@ -150,6 +150,7 @@ def test_forced_calls_validate(openai_client, choice, stream) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow  # up to 16 sampled answers of 80 tokens (7 minutes on a busy machine)
 def test_auto_call_is_constrained_once_opened(openai_client) -> None:
     """The model is free until it writes <tool_call>; told to copy a call with a wrong
     argument, it still produces a call that validates."""
