@@ -158,6 +158,22 @@ def table(rows: list[dict], workload: str) -> Table:
     return out
 
 
+def measure(args: argparse.Namespace) -> list[dict]:
+    """Every setting in turn; with ``--json`` the rows are saved after each one."""
+    data = json.loads(DATA.read_text())
+    logs = common.log_dir(args)
+    rows: list[dict] = []
+    for label, server, flags in settings(args):
+        if args.only and server != args.only:
+            continue
+        rows += run_setting(label, server, flags, args, data, logs)
+        if args.json:  # after each setting: a late failure keeps what ran
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"max_tokens": args.max_tokens, "rows": rows},
+                                            indent=1) + "\n")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,18 +193,16 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, metavar="DIR", help="charts, one per workload")
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="run nothing: print and draw the rows a --json run saved")
     args = parser.parse_args()
-    data = json.loads(DATA.read_text())
-    logs = common.log_dir(args)
-    rows: list[dict] = []
-    for label, server, flags in settings(args):
-        if args.only and server != args.only:
-            continue
-        rows += run_setting(label, server, flags, args, data, logs)
-        if args.json:  # after each setting: a late failure keeps what ran
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"max_tokens": args.max_tokens, "rows": rows},
-                                            indent=1) + "\n")
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        rows = saved["rows"]
+        args.max_tokens = saved["max_tokens"]
+        args.workloads = list(dict.fromkeys(row["workload"] for row in rows))
+    else:
+        rows = measure(args)
     for workload in args.workloads:
         common.console.print(table(rows, workload))
         if args.plot:
