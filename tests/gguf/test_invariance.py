@@ -53,6 +53,7 @@ async def scenario(url: str, prompt: str, sampling: dict) -> tuple[str, str, str
     return alone, fused, again
 
 
+@pytest.mark.slow  # a burst of mixed traffic per case: 5+ minutes each on a busy machine
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "long"])
 def test_an_answer_does_not_depend_on_what_runs_beside_it(lanes, prompt, mode) -> None:
