@@ -140,7 +140,9 @@ async def lanes_rate(url: str, model: str, lanes: int, tokens: int, seeded: bool
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser)
-    parser.add_argument("--model", type=Path, help="a hybrid GGUF (default: the tiny Qwen3.5)")
+    parser.add_argument("--model", type=Path,
+                        help="a hybrid GGUF, or an HF folder with --backend mlx "
+                             "(default: the tiny Qwen3.5)")
     parser.add_argument("--lanes", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--backend", choices=("gguf", "mlx"), default="gguf",
