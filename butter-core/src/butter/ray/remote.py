@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -118,7 +119,7 @@ def replica_stats(backend: Any, replica: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def own_request_id() -> Iterator[None]:
+def own_request_id() -> Iterator[str]:
     """Give the handle call made inside a request id of its own.
 
     Serve hands every call made while serving one HTTP request that request's internal
@@ -130,10 +131,11 @@ def own_request_id() -> Iterator[None]:
     from ray.serve._private.utils import generate_request_id
 
     current = context._get_serve_request_context()
+    request_id = generate_request_id()
     token = context._serve_request_context.set(
-        dataclasses.replace(current, _internal_request_id=generate_request_id()))
+        dataclasses.replace(current, _internal_request_id=request_id))
     try:
-        yield
+        yield request_id
     finally:
         context._serve_request_context.reset(token)
 
@@ -147,8 +149,9 @@ def _lost(exc: BaseException) -> ReplicaLostError:
 class RemoteGeneration:
     """A generation running on a replica, read through a streaming handle call."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, on_end: Callable[[], None] | None = None) -> None:
         self._stream = stream
+        self._on_end = on_end  # tells the router the stream no longer loads its replica
         self.id = ""
         self.created = int(time.time())
         self.prompt_tokens = 0
@@ -159,15 +162,25 @@ class RemoteGeneration:
         self.tool_calls: list[ToolCall] = []
         self._done = False
 
+    def _ended(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
     async def _next(self) -> Any:
         import ray.exceptions
 
         try:
-            return await self._stream.__anext__()
+            item = await self._stream.__anext__()
         except StopAsyncIteration:
+            self._ended()
             raise _lost(StopAsyncIteration()) from None
         except (ray.exceptions.RayError, ConnectionError) as exc:
+            self._ended()
             raise _lost(exc) from None
+        if isinstance(item, Finished | Failure):
+            self._ended()
+        return item
 
     async def admitted(self) -> None:
         try:
@@ -203,6 +216,7 @@ class RemoteGeneration:
         if not self._done:
             self._done = True
             self._stream.cancel()
+        self._ended()
 
 
 class RemoteBackend:
@@ -235,11 +249,17 @@ class RemoteBackend:
         return {**self._card, "butter": {**self._card["butter"], "replicas": replicas}}
 
     async def generate(self, request: ChatRequest) -> RemoteGeneration:
-        with own_request_id():
+        with own_request_id() as request_id:
             call = self._stream_handle.generate.remote(request)
-        generation = RemoteGeneration(call)
+        generation = RemoteGeneration(call, functools.partial(self._release, request_id))
         await generation.admitted()
         return generation
+
+    def _release(self, request_id: str) -> None:
+        router = self._router()
+        if router is not None and hasattr(router, "release"):
+            # The router lives on Serve's router thread: its state changes there only.
+            router._event_loop.call_soon_threadsafe(router.release, request_id)
 
     async def count_tokens(self, request: ChatRequest) -> int:
         import ray.exceptions

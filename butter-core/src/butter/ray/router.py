@@ -145,6 +145,7 @@ class PrefixAffinityRouter(RequestRouter):
         # replica that looked idlest.
         self._chosen: dict[str, tuple[ReplicaID, float]] = {}
         self._last_seen: dict[ReplicaID, float] = {}  # when a request of ours last ended
+        self._streams: set[str] = set()  # generate calls in flight, released by the ingress
         self._hashes: dict[str, list[int]] = {}  # internal request id -> its key's blocks
         self.decisions = {"affinity": 0, "new": 0, "imbalanced": 0, "targeted": 0}
         if self._deployment_id is not None:
@@ -245,10 +246,21 @@ class PrefixAffinityRouter(RequestRouter):
             return
         self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
         self._counted[request_id] = replica_id
+        if pending_request.metadata.call_method == ROUTED_METHOD:
+            # A stream counts until the ingress says it ended (release): Serve's
+            # completion callback was seen to come early for streaming calls.
+            self._streams.add(request_id)
         if hashes:
             self._table(replica_id).insert(hashes)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if internal_request_id in self._streams:
+            return  # released by the ingress when the stream ends
+        self.release(internal_request_id)
+
+    def release(self, internal_request_id: str) -> None:
+        """The request ended (the ingress read its last record, or gave up on it)."""
+        self._streams.discard(internal_request_id)
         counted = self._counted.pop(internal_request_id, None)
         self._hashes.pop(internal_request_id, None)
         self._chosen.pop(internal_request_id, None)
