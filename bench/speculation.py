@@ -164,7 +164,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     logs = common.log_dir(args)
     rows: list[dict] = []
     for label, server, flags in settings(args):
-        if args.only and server != args.only:
+        if args.only and server != args.only or args.settings and label not in args.settings:
             continue
         rows += run_setting(label, server, flags, args, data, logs)
         if args.json:  # after each setting: a late failure keeps what ran
@@ -190,6 +190,8 @@ def main() -> None:
     parser.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
                         help="run butter's default again last (the A/A pair)")
     parser.add_argument("--only", choices=("butter", "peer"), help="one server's settings")
+    parser.add_argument("--settings", type=lambda t: t.split(","), default=None,
+                        help="run only these settings (labels, comma-separated)")
     parser.add_argument("--log-dir", type=Path)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, metavar="DIR", help="charts, one per workload")
