@@ -15,6 +15,7 @@ import httpx
 import httpx2
 import pytest
 from fakes.scripted import Reply, ScriptedBackend
+from support.anthropic_blocks import blocks_of
 
 from butter.errors import InternalError
 from butter.http.app import create_app
@@ -221,19 +222,6 @@ def scripted_client(backend: ScriptedBackend) -> anthropic.AsyncAnthropic:
     transport = httpx2.ASGITransport(app=create_app(backend))
     return anthropic.AsyncAnthropic(base_url="http://butter.test", api_key="x", max_retries=0,
                                     http_client=httpx2.AsyncClient(transport=transport))
-
-
-def blocks_of(message: Any) -> list[tuple[str, Any]]:
-    out = []
-    for block in message.content:
-        if block.type == "thinking":
-            out.append(("thinking", block.thinking))
-        elif block.type == "text":
-            out.append(("text", block.text))
-        else:
-            assert block.type == "tool_use" and block.id.startswith("toolu_")
-            out.append(("tool_use", (block.name, block.input)))
-    return out
 
 
 async def test_thinking_text_and_two_calls_stream_and_not() -> None:

@@ -22,6 +22,7 @@ import llguidance
 import openai
 import pytest
 from fakes.scripted import Reply, ScriptedBackend, real_tokenizer
+from support.anthropic_blocks import blocks_of
 
 from butter.chat.grammar import grammar_for
 from butter.chat.prompt import build_prompt
@@ -344,18 +345,6 @@ async def test_reasoning_sent_back_reaches_the_template(qwen35: str) -> None:
     assert all(turn in plan.text for plan in scripted.plans), scripted.plans[0].text
 
 
-def anthropic_blocks(message: Any) -> list[tuple[str, Any]]:
-    out = []
-    for block in message.content:
-        if block.type == "thinking":
-            out.append(("thinking", block.thinking))
-        elif block.type == "text":
-            out.append(("text", block.text))
-        else:
-            out.append(("tool_use", (block.name, block.input)))
-    return out
-
-
 async def test_anthropic_thinking_blocks_and_typed_tool_use(qwen35: str) -> None:
     client = anthropic_client(backend(THINK_THEN_CALLS, THINK_THEN_CALLS, qwen35=qwen35))
     request = {"model": "scripted", "max_tokens": 400, "messages": ASK,
@@ -363,13 +352,13 @@ async def test_anthropic_thinking_blocks_and_typed_tool_use(qwen35: str) -> None
     expected = [("thinking", THOUGHT), ("tool_use", ("get_weather", ARGUMENTS)),
                 ("tool_use", ("get_time", {"zone": "Europe/Paris"}))]
     message = await client.messages.create(**request)
-    assert anthropic_blocks(message) == expected and message.stop_reason == "tool_use"
+    assert blocks_of(message) == expected and message.stop_reason == "tool_use"
     async with client.messages.stream(**request) as stream:
         kinds = [event.delta.type async for event in stream
                  if event.type == "content_block_delta"]
         final = await stream.get_final_message()
     assert kinds[0] == "thinking_delta" and "input_json_delta" in kinds
-    assert anthropic_blocks(final) == expected and final.stop_reason == "tool_use"
+    assert blocks_of(final) == expected and final.stop_reason == "tool_use"
 
 
 async def test_anthropic_thinking_cut_by_max_tokens(qwen35: str) -> None:
@@ -388,7 +377,7 @@ async def test_anthropic_thinking_disabled_renders_the_empty_block(qwen35: str) 
     message = await anthropic_client(scripted).messages.create(
         model="scripted", max_tokens=50, messages=ASK, thinking={"type": "disabled"})
     assert scripted.plans[0].text.endswith("<think>\n\n</think>\n\n")
-    assert anthropic_blocks(message) == [("text", "Sunny.")]
+    assert blocks_of(message) == [("text", "Sunny.")]
 
 
 async def _final(manager: Any) -> Any:
