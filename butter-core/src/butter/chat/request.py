@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -179,23 +180,39 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     return ResponseFormat(schema=schema, name=name, strict=bool(strict))
 
 
-def parse_tools(value: Any) -> list[dict[str, Any]]:
+def tool_list(value: Any, read_tool: Callable[[Any, str], tuple[str, dict[str, Any],
+                                                                 Mapping[str, Any]]]
+              ) -> list[dict[str, Any]]:
+    """A request's ``tools`` as OpenAI function tools (the shape prompt building expects).
+
+    ``read_tool(tool, where)`` checks one entry in its wire dialect and gives its name,
+    its parameters schema and the mapping whose ``description`` (if a string) is kept.
+    """
     if value is None:
         return []
     if not isinstance(value, list):
         raise InvalidRequestError("`tools` must be a list.", param="tools")
     tools = []
     for index, tool in enumerate(value):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InvalidRequestError(f"`tools[{index}]` must be a function tool with a name.",
-                                      param=f"tools[{index}]")
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise InvalidRequestError(f"`tools[{index}].function.parameters` must be an object.",
-                                      param=f"tools[{index}]")
-        entry = {"name": function["name"], "parameters": parameters}
-        if isinstance(function.get("description"), str):
-            entry["description"] = function["description"]
+        name, parameters, described = read_tool(tool, f"tools[{index}]")
+        entry = {"name": name, "parameters": parameters}
+        if isinstance(described.get("description"), str):
+            entry["description"] = described["description"]
         tools.append({"type": "function", "function": entry})
     return tools
+
+
+def parse_tools(value: Any) -> list[dict[str, Any]]:
+    return tool_list(value, _function_tool)
+
+
+def _function_tool(tool: Any, where: str) -> tuple[str, dict[str, Any], Mapping[str, Any]]:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(f"`{where}` must be a function tool with a name.",
+                                  param=where)
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise InvalidRequestError(f"`{where}.function.parameters` must be an object.",
+                                  param=where)
+    return function["name"], parameters, function

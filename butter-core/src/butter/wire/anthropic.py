@@ -32,7 +32,7 @@ from butter.chat.recovery import (
     ToolCallArguments,
     ToolCallStart,
 )
-from butter.chat.request import ChatRequest, ToolChoice, content_text
+from butter.chat.request import ChatRequest, ToolChoice, content_text, tool_list
 from butter.errors import ButterError, InvalidRequestError
 from butter.generation import Usage
 from butter.wire.fields import JSON_OBJECT, SAMPLING, STOP, STRING, TEXT_PART, generation_params
@@ -213,25 +213,17 @@ def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def _tools(value: Any) -> list[dict[str, Any]]:
     """Anthropic tools as OpenAI function tools (the shape prompt building expects)."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise InvalidRequestError("`tools` must be a list.", param="tools")
-    tools = []
-    for index, tool in enumerate(value):
-        where = f"tools[{index}]"
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) \
-                or not tool["name"]:
-            raise InvalidRequestError(f"`{where}` must be a tool with a `name`.", param=where)
-        if tool.get("type") not in (None, "custom") or not isinstance(tool.get("input_schema"),
-                                                                     dict):
-            raise InvalidRequestError(f"`{where}` must be a custom tool with an `input_schema` "
-                                      "object (server tools are not supported).", param=where)
-        function = {"name": tool["name"], "parameters": tool["input_schema"]}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        tools.append({"type": "function", "function": function})
-    return tools
+    return tool_list(value, _custom_tool)
+
+
+def _custom_tool(tool: Any, where: str) -> tuple[str, dict[str, Any], Mapping[str, Any]]:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidRequestError(f"`{where}` must be a tool with a `name`.", param=where)
+    if tool.get("type") not in (None, "custom") or not isinstance(tool.get("input_schema"),
+                                                                 dict):
+        raise InvalidRequestError(f"`{where}` must be a custom tool with an `input_schema` "
+                                  "object (server tools are not supported).", param=where)
+    return tool["name"], tool["input_schema"], tool
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
