@@ -117,6 +117,7 @@ def _letters(text: str) -> float:
     return sum(c.isalpha() or c.isspace() or c in ".,;:'!?\"-" for c in text) / max(len(text), 1)
 
 
+@pytest.mark.slow  # a 600-token answer (312 s of a loaded -m "not slow" run)
 def test_an_answer_runs_past_the_window_and_a_shifted_session_is_not_reused(start_server):
     server = start_server("--kv-window-size", "256", "--parallel", "2", "--max-context", "1024")
     assert server.models()[0]["context_length"] == 256  # the prompt must fit the window
