@@ -115,18 +115,20 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    """Message content as a list of blocks; a string is one text block."""
+def _blocks(content: Any, where: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """Message content as (where, type, block) per block; a string is one text block."""
     if isinstance(content, str):
-        return [{"type": "text", "text": content}]
+        content = [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise InvalidRequestError(f"`{where}.content` must be a string or a list of blocks.",
                                   param=f"{where}.content")
+    out = []
     for position, block in enumerate(content):
+        at = f"{where}.content[{position}]"
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise InvalidRequestError(f"`{where}.content[{position}]` must be a block with a "
-                                      "`type`.", param=f"{where}.content[{position}]")
-    return content
+            raise InvalidRequestError(f"`{at}` must be a block with a `type`.", param=at)
+        out.append((at, block["type"], block))
+    return out
 
 
 def _user_turn(content: Any, where: str) -> list[dict[str, Any]]:
@@ -140,9 +142,7 @@ def _user_turn(content: Any, where: str) -> list[dict[str, Any]]:
             out.append({"role": "user", "content": "".join(text)})
             text.clear()
 
-    for position, block in enumerate(_blocks(content, where)):
-        at = f"{where}.content[{position}]"
-        kind = block["type"]
+    for at, kind, block in _blocks(content, where):
         if kind == "text":
             text.append(content_text([block], at))
         elif kind == "tool_result":
@@ -172,9 +172,7 @@ def _assistant_turn(content: Any, where: str) -> dict[str, Any]:
     text: list[str] = []
     thinking: list[str] = []
     calls: list[dict[str, Any]] = []
-    for position, block in enumerate(_blocks(content, where)):
-        at = f"{where}.content[{position}]"
-        kind = block["type"]
+    for at, kind, block in _blocks(content, where):
         if kind == "text":
             text.append(content_text([block], at))
         elif kind == "tool_use":
