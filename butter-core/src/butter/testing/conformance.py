@@ -71,6 +71,14 @@ def runtime_of(loaded: LoadedModel, *, capacity: int, n_sessions: int,
         runtime.close()
 
 
+def rewinding_runtime(loaded: LoadedModel, model_facts: ModelFacts, *,
+                      n_sessions: int) -> contextlib.AbstractContextManager[Runtime]:
+    """A runtime for a test that truncates or forks: skipped where the checkpoint cannot."""
+    if not model_facts.can_rewind:
+        pytest.skip("the checkpoint cannot rewind")
+    return runtime_of(loaded, capacity=512, n_sessions=n_sessions, max_batch=128)
+
+
 def greedy_sampler(runtime: Runtime):
     return runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
 
@@ -143,10 +151,8 @@ class BackendConformance:
 
     def test_sessions_are_independent_and_rewindable(self, loaded, model_facts,
                                                      prompt_tokens):
-        if not model_facts.can_rewind:
-            pytest.skip("the checkpoint cannot rewind")
         tokens = prompt_tokens
-        with runtime_of(loaded, capacity=512, n_sessions=2, max_batch=128) as runtime:
+        with rewinding_runtime(loaded, model_facts, n_sessions=2) as runtime:
             first = greedy(runtime, 0, tokens, 8)
             if model_facts.answer is not None:
                 assert model_facts.answer in text_of(loaded, first)
@@ -166,10 +172,8 @@ class BackendConformance:
 
     def test_a_forked_prefix_answers_like_its_source(self, loaded, model_facts,
                                                      prompt_tokens):
-        if not model_facts.can_rewind:
-            pytest.skip("the checkpoint cannot rewind")
         tokens = prompt_tokens
-        with runtime_of(loaded, capacity=512, n_sessions=3, max_batch=128) as runtime:
+        with rewinding_runtime(loaded, model_facts, n_sessions=3) as runtime:
             assert runtime.kv.fork is not ForkKind.NONE
             first = greedy(runtime, 0, tokens, 8)
             # Session 1 forks session 0's prompt less its last token, then prefills that
@@ -186,10 +190,8 @@ class BackendConformance:
 
     def test_a_fork_past_what_the_source_holds_is_refused(self, loaded, model_facts,
                                                           prompt_tokens):
-        if not model_facts.can_rewind:
-            pytest.skip("the checkpoint cannot rewind")
         tokens = prompt_tokens
-        with runtime_of(loaded, capacity=512, n_sessions=2, max_batch=128) as runtime:
+        with rewinding_runtime(loaded, model_facts, n_sessions=2) as runtime:
             first = greedy(runtime, 0, tokens, 3)
             assert runtime.step([Work(1, tokens[:-1])]) == [None]  # the prompt less one
             held = len(tokens) + 2  # session 0: the prompt and two drawn tokens fed back
