@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import ServerProcess
 from helpers import notes
-from support.conversations import tool_rounds
+from support.conversations import check_tool_rounds_resume_from_snapshots
 
 SNAPSHOT_EVERY = 32  # butter_backend_gguf.recurrent.SNAPSHOT_EVERY
 
@@ -33,22 +33,9 @@ def hybrid(tiny_qwen35_gguf):
 
 
 def test_tool_rounds_reuse_the_previous_prompt_from_a_snapshot(hybrid) -> None:
-    before = hybrid.wait_idle()
-    usage = tool_rounds(hybrid.base_url, hybrid.model_id)
-    after = hybrid.wait_idle()
-    assert usage[0][1] == 0
-    for (previous, _), (prompt, cached) in zip(usage, usage[1:]):
-        assert prompt > previous
-        # The template renders the generation prompt's last token (``<think>\n``) otherwise
-        # once the answer is in the history: the prompts share all but it. Resumed from
-        # the last snapshot inside that, and at least from the tail snapshot 4 (or 5)
-        # tokens before the previous prompt's end.
-        assert cached >= (previous - 1) // SNAPSHOT_EVERY * SNAPSHOT_EVERY > 0, usage
-        assert previous - 5 <= cached < previous, usage
-    # Honest: the tokens reported cached are exactly the prompt tokens not prefilled.
-    prompts, cached = sum(p for p, _ in usage), sum(c for _, c in usage)
-    assert after["butter_prefill_tokens_total"] - before["butter_prefill_tokens_total"] \
-        == prompts - cached
+    # The tail snapshot stands 4 (or 5) tokens before the previous prompt's end.
+    usage, before, after = check_tool_rounds_resume_from_snapshots(hybrid, SNAPSHOT_EVERY, 5)
+    cached = sum(c for _, c in usage)
     assert after["butter_cached_tokens_total"] - before["butter_cached_tokens_total"] == cached
 
 

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 from conftest import ServerProcess
-from support.conversations import tool_rounds
+from support.conversations import check_tool_rounds_resume_from_snapshots
 
 SNAPSHOT_EVERY = 32  # butter_backend_mlx.snapshots.SNAPSHOT_EVERY
 
@@ -23,19 +23,8 @@ def hybrid(tiny_qwen35_folder):
 
 
 def test_tool_rounds_reuse_the_previous_prompt_from_a_snapshot(hybrid) -> None:
-    before = hybrid.wait_idle()
-    usage = tool_rounds(hybrid.base_url, hybrid.model_id)
-    after = hybrid.wait_idle()
-    assert usage[0][1] == 0
-    for (previous, _), (prompt, cached) in zip(usage, usage[1:]):
-        assert prompt > previous
-        # All but the generation prompt's last token, which the template renders otherwise
-        # in the history: resumed from the tail snapshot 4 tokens before its end.
-        assert cached >= (previous - 1) // SNAPSHOT_EVERY * SNAPSHOT_EVERY > 0, usage
-        assert previous - 4 <= cached < previous, usage
-    prompts, cached = sum(p for p, _ in usage), sum(c for _, c in usage)
-    assert after["butter_prefill_tokens_total"] - before["butter_prefill_tokens_total"] \
-        == prompts - cached
+    # The tail snapshot stands 4 tokens before the previous prompt's end.
+    check_tool_rounds_resume_from_snapshots(hybrid, SNAPSHOT_EVERY, 4)
 
 
 async def ask(client: httpx.AsyncClient, url: str, model: str, prompt: str,

@@ -42,3 +42,26 @@ def tool_rounds(url: str, model: str, rounds: int = 5,
             if not calls:
                 messages.append({"role": "user", "content": "Go on."})
     return usage
+
+
+def check_tool_rounds_resume_from_snapshots(server, snapshot_every: int, tail: int
+                                            ) -> tuple[list[tuple[int, int]], dict, dict]:
+    """Replay :func:`tool_rounds` on a hybrid model's ``server`` and check what a user
+    sees: each round reports the previous prompt as cached, resumed from the last
+    recurrent-state snapshot inside it (a multiple of ``snapshot_every``) and at least
+    from the tail snapshot ``tail`` tokens before its end; the template renders the
+    generation prompt's last token otherwise once the answer is in the history, so the
+    prompts share all but it. The tokens reported cached are exactly those not prefilled.
+    Gives the usage rows and the metrics before and after, for further checks."""
+    before = server.wait_idle()
+    usage = tool_rounds(server.base_url, server.model_id)
+    after = server.wait_idle()
+    assert usage[0][1] == 0
+    for (previous, _), (prompt, cached) in zip(usage, usage[1:]):
+        assert prompt > previous
+        assert cached >= (previous - 1) // snapshot_every * snapshot_every > 0, usage
+        assert previous - tail <= cached < previous, usage
+    prompts, cached = sum(p for p, _ in usage), sum(c for _, c in usage)
+    assert after["butter_prefill_tokens_total"] - before["butter_prefill_tokens_total"] \
+        == prompts - cached
+    return usage, before, after
