@@ -114,7 +114,8 @@ def run_setting(label: str, server: str, flags: list[str], args: argparse.Namesp
         return plan.command(port) + flags
 
     rows = []
-    with common.spawned(label.replace(" ", "-"), command, logs) as (root, _, _):
+    name = "".join(c if c.isalnum() else "-" for c in label)  # a log file's name
+    with common.spawned(name, command, logs) as (root, _, _):
         url = f"{root}/v1"
         asyncio.run(wave(url, "plain", 1, data, 8))  # warm-up: first-pass costs
         for workload in args.workloads:
