@@ -5,7 +5,6 @@ mx.load into the same mlx-lm class."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -71,46 +70,18 @@ def test_the_folder_loads_with_its_nested_settings(tiny_qwen35_folder):
                                      "tiny_qwen35_gguf_q4"])
 def test_a_server_answers_chat_on_the_folder(request, fixture):
     """Two clients at once, one streaming, through ``butter serve --backend mlx``."""
-    import anthropic
-    import openai
     from conftest import ServerProcess
+    from support.six_tokens import anthropic_six_tokens, openai_six_tokens
 
     checkpoint = request.getfixturevalue(fixture)
     server = ServerProcess("--backend", "mlx", "--parallel", "2", model=str(checkpoint),
                            timeout=180)
     try:
-        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0,
-                               timeout=120)
         served = server.models()[0]
         assert served["butter"]["backend"] == "mlx"
         messages = [{"role": "user", "content": "Say hello."}]
-
-        def plain():
-            return client.chat.completions.create(model=served["id"], messages=messages,
-                                                  max_tokens=6, temperature=0)
-
-        def streamed():
-            return list(client.chat.completions.create(
-                model=served["id"], messages=messages, max_tokens=6, temperature=0,
-                stream=True, stream_options={"include_usage": True}))
-
-        with ThreadPoolExecutor(2) as pool:
-            reply, chunks = (f.result() for f in (pool.submit(plain), pool.submit(streamed)))
-        assert reply.choices[0].finish_reason == "length"
-        assert reply.usage.completion_tokens == 6
-        assert reply.usage.prompt_tokens > 5
-        assert reply.usage.total_tokens == reply.usage.prompt_tokens + 6
-        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-        assert finishes[-1] == "length"
-        assert chunks[-1].usage.completion_tokens == 6
-        assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
-        message = anthropic.Anthropic(base_url=server.root, api_key="x", max_retries=0,
-                                      timeout=120).messages.create(
-            model=served["id"], max_tokens=6, messages=messages)
-        assert message.stop_reason == "max_tokens"
-        assert message.usage.output_tokens == 6
-        read = message.usage.cache_read_input_tokens or 0  # input_tokens counts the rest
-        assert message.usage.input_tokens + read == reply.usage.prompt_tokens
+        reply, _, _ = openai_six_tokens(server, served["id"], messages)
+        anthropic_six_tokens(server, served["id"], messages, reply.usage.prompt_tokens)
     finally:
         server.stop()
 
