@@ -55,6 +55,13 @@ def _stored(codec: KVCodec, keys: mx.array, values: mx.array, chunks=None, *,
     return cache
 
 
+def _round_trip(name: str, seed: int, length: int, magnitude: float):
+    """The codec, random keys and values of ``length`` tokens, and what it holds of them."""
+    codec = CODECS[name]
+    keys, values = _tokens(seed, length, magnitude), _tokens(seed + 1, length, magnitude)
+    return codec, keys, values, _stored(codec, keys, values).held()
+
+
 # ---- round trips -------------------------------------------------------------------
 
 
@@ -62,9 +69,7 @@ def _stored(codec: KVCodec, keys: mx.array, values: mx.array, chunks=None, *,
 @given(name=st.sampled_from(["affine8", "affine4"]), seed=st.integers(0, 2**31),
        length=st.integers(1, 90), magnitude=st.floats(0.01, 40.0))
 def test_affine_round_trip_is_within_a_step_per_group(name, seed, length, magnitude):
-    codec = CODECS[name]
-    keys, values = _tokens(seed, length, magnitude), _tokens(seed + 1, length, magnitude)
-    held = _stored(codec, keys, values).held()
+    codec, keys, values, held = _round_trip(name, seed, length, magnitude)
     for original, back in zip((keys, values), held):
         x, y = _f32(original), _f32(back)
         # mx.quantize rounds to within one step of the group's range; float16 scales and
@@ -77,9 +82,7 @@ def test_affine_round_trip_is_within_a_step_per_group(name, seed, length, magnit
 @given(name=st.sampled_from(["aura4v4", "aura4v2"]), seed=st.integers(0, 2**31),
        length=st.integers(1, 90), magnitude=st.floats(0.01, 40.0))
 def test_aura_round_trip_keeps_sinks_and_recent_tokens_exact(name, seed, length, magnitude):
-    codec = CODECS[name]
-    keys, values = _tokens(seed, length, magnitude), _tokens(seed + 1, length, magnitude)
-    held_keys, held_values = _stored(codec, keys, values).held()
+    codec, keys, values, (held_keys, held_values) = _round_trip(name, seed, length, magnitude)
     x, y = _f32(keys), _f32(held_keys)
     exact = np.zeros(length, bool)
     exact[:codec.sinks] = True
