@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import stream_lines
 
 from butter.resolve import ResolvedModel
 from butter.resolvers import resolve_model
@@ -81,15 +82,8 @@ def test_a_file_short_by_one_byte_is_refused_and_aborts_nothing(start_server, mo
             "max_tokens": 64, "ignore_eos": True, "stream": True}
     lines: list[str] = []
 
-    def stream():
-        with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body,
-                          timeout=120) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(stream)
+        running = pool.submit(stream_lines, server, body, lines)
         while len(lines) < 3:
             assert not running.done()
         refused = chat(server, "short-by-one.gguf")

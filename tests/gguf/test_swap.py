@@ -10,6 +10,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from helpers import stream_lines
 
 QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
 
@@ -71,21 +72,12 @@ def test_swap_aborts_streams_and_queued_requests_promptly(start_server, model_co
     events: list[str] = []
     started = threading.Event()
 
-    def long_stream():
-        with httpx.stream("POST", f"{server.base_url}/chat/completions", json=long_body,
-                          timeout=120) as response:
-            for line in response.iter_lines():
-                if line:
-                    events.append(line)
-                    if len(events) > 3:
-                        started.set()
-
     def queued():
         return httpx.post(f"{server.base_url}/chat/completions", timeout=120, json={
             "model": "smollm2", "messages": QUESTION, "max_tokens": 8})
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        streaming = pool.submit(long_stream)
+        streaming = pool.submit(stream_lines, server, long_body, events, started)
         assert started.wait(60)
         waiting = [pool.submit(queued) for _ in range(2)]
         deadline = time.monotonic() + 30
