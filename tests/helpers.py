@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -42,3 +43,28 @@ def stream_lines(server: ServerProcess, body: dict, lines: list[str],
                 lines.append(line)
                 if started is not None and len(lines) > 3:
                     started.set()
+
+
+async def answer(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                 max_tokens: int, sampling: dict) -> str:
+    """One chat completion of exactly ``max_tokens`` tokens: its reasoning and its
+    content, as ``reasoning|content``."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "ignore_eos": True, **sampling}
+    response = await client.post(f"{url}/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    return (message.get("reasoning_content") or "") + "|" + (message.get("content") or "")
+
+
+async def alone_fused_again(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                            max_tokens: int, sampling: dict,
+                            others: list[tuple[str, int, dict]]) -> tuple[str, str, str]:
+    """``prompt``'s answer asked alone, then beside ``others`` ((prompt, max_tokens,
+    sampling) each) at once, then alone again (SPEC 5: all three must be the same)."""
+    alone = await answer(client, url, model, prompt, max_tokens, sampling)
+    fused, *_ = await asyncio.gather(
+        answer(client, url, model, prompt, max_tokens, sampling),
+        *(answer(client, url, model, *other) for other in others))
+    again = await answer(client, url, model, prompt, max_tokens, sampling)
+    return alone, fused, again

@@ -17,7 +17,7 @@ import asyncio
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import notes
+from helpers import alone_fused_again, notes
 from support.conversations import check_tool_rounds_resume_from_snapshots
 
 SNAPSHOT_EVERY = 32  # butter_backend_gguf.recurrent.SNAPSHOT_EVERY
@@ -44,27 +44,13 @@ LONG = notes(40, "the harbour") + "\nSummarise these notes."  # past 256 cells: 
 MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
 
 
-async def ask(client: httpx.AsyncClient, server: ServerProcess, prompt: str,
-              max_tokens: int, sampling: dict) -> str:
-    body = {"model": server.model_id, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "ignore_eos": True, **sampling}
-    response = await client.post(f"{server.base_url}/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    message = response.json()["choices"][0]["message"]
-    return (message.get("reasoning_content") or "") + "|" + (message.get("content") or "")
-
-
 async def scenario(server: ServerProcess, prompt: str, sampling: dict) -> tuple[str, str, str]:
+    others = [(notes(30, "the quay") + "\nSummarise.", 16, {"temperature": 0.8}),
+              ("Explain how bread rises.", 24, {"temperature": 0.0}),
+              ("Tell me about the first railway.", 24, {"temperature": 0.8, "seed": 7})]
     async with httpx.AsyncClient(timeout=300) as client:
-        alone = await ask(client, server, prompt, 24, sampling)
-        others = [ask(client, server, notes(30, "the quay") + "\nSummarise.", 16,
-                      {"temperature": 0.8}),
-                  ask(client, server, "Explain how bread rises.", 24, {"temperature": 0.0}),
-                  ask(client, server, "Tell me about the first railway.", 24,
-                      {"temperature": 0.8, "seed": 7})]
-        fused, *_ = await asyncio.gather(ask(client, server, prompt, 24, sampling), *others)
-        again = await ask(client, server, prompt, 24, sampling)
-    return alone, fused, again
+        return await alone_fused_again(client, server.base_url, server.model_id, prompt, 24,
+                                       sampling, others)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

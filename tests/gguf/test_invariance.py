@@ -13,7 +13,7 @@ import asyncio
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import notes
+from helpers import alone_fused_again, answer, notes
 
 SHORT = "Describe a lighthouse keeper's morning."
 MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
@@ -29,28 +29,15 @@ def lanes():
     server.stop()
 
 
-async def ask(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
-              sampling: dict) -> str:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "ignore_eos": True, **sampling}
-    response = await client.post(f"{url}/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["message"]["content"]
-
-
 async def scenario(url: str, prompt: str, sampling: dict) -> tuple[str, str, str]:
+    others = [(notes(70, "the quay") + "\nSummarise.", 24, {"temperature": 0.8}),
+              ("Explain how bread rises.", 40, {"temperature": 0.0}),
+              ("Tell me about the first railway.", 40, {"temperature": 0.8, "seed": 7})]
     async with httpx.AsyncClient(timeout=300) as client:
-        await asyncio.gather(*(ask(client, url, f"Warm-up {n}. " + notes(5 + 9 * n, "fog"),
-                                   4 + 6 * n, {"temperature": 0.8}) for n in range(6)))
-        alone = await ask(client, url, prompt, 40, sampling)
-        others = [ask(client, url, notes(70, "the quay") + "\nSummarise.", 24,
-                      {"temperature": 0.8}),
-                  ask(client, url, "Explain how bread rises.", 40, {"temperature": 0.0}),
-                  ask(client, url, "Tell me about the first railway.", 40,
-                      {"temperature": 0.8, "seed": 7})]
-        fused, *_ = await asyncio.gather(ask(client, url, prompt, 40, sampling), *others)
-        again = await ask(client, url, prompt, 40, sampling)
-    return alone, fused, again
+        await asyncio.gather(*(answer(client, url, "smollm2",
+                                      f"Warm-up {n}. " + notes(5 + 9 * n, "fog"), 4 + 6 * n,
+                                      {"temperature": 0.8}) for n in range(6)))
+        return await alone_fused_again(client, url, "smollm2", prompt, 40, sampling, others)
 
 
 @pytest.mark.slow  # a burst of mixed traffic per case: 5+ minutes each on a busy machine
