@@ -18,6 +18,7 @@ import httpx
 import pytest
 from conftest import ServerProcess
 from helpers import alone_fused_again, notes
+from support.chunked_read import read_from
 from support.conversations import check_tool_rounds_resume_from_snapshots
 
 SNAPSHOT_EVERY = 32  # butter_backend_gguf.recurrent.SNAPSHOT_EVERY
@@ -96,27 +97,7 @@ def read(runtime, session: int, tokens: list[int], cuts: list[int] = (), *,
     """Feed the rest of ``tokens`` after what ``session`` holds, in chunks ending at ``cuts``
     and multiples of 256 (as the engine cuts them), draw ``answer`` greedy tokens; return
     every draw's log-probabilities."""
-    from butter.backend import SamplingParams, Work
-
-    sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0,
-                                                 logprobs=5))
-    try:
-        start = runtime._lengths[session]
-        ends = sorted(e for e in {*cuts, *range(256, len(tokens), 256), len(tokens)}
-                      if e > start)
-        drawn = []
-        for end in ends:
-            last = end == len(tokens)
-            (token,) = runtime.step([Work(session, tokens[start:end],
-                                          sampler if last else None)])
-            start = end
-        drawn.append(sampler.last)
-        while len(drawn) < answer:
-            (token,) = runtime.step([Work(session, (token,), sampler)])
-            drawn.append(sampler.last)
-        return drawn
-    finally:
-        sampler.close()
+    return read_from(runtime, session, tokens, cuts, runtime._lengths[session], answer)
 
 
 def test_a_prompt_resumed_from_a_snapshot_reads_as_it_did_whole(runtime) -> None:

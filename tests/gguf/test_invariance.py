@@ -14,6 +14,7 @@ import httpx
 import pytest
 from conftest import ServerProcess
 from helpers import alone_fused_again, answer, notes
+from support.chunked_read import read_from
 
 SHORT = "Describe a lighthouse keeper's morning."
 MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
@@ -66,25 +67,8 @@ def runtime():
 def read(runtime, session: int, tokens: list[int], cuts: list[int], answer: int = 4) -> list:
     """Feed ``tokens`` in chunks ending at ``cuts`` (then at multiples of 256, as the engine
     cuts them), draw ``answer`` greedy tokens; return every draw's log-probabilities."""
-    from butter.backend import SamplingParams, Work
-
-    sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0,
-                                                 logprobs=5))
-    try:
-        runtime.truncate(session, 0)
-        ends = sorted({*cuts, *range(256, len(tokens), 256), len(tokens)})
-        start, drawn = 0, []
-        for end in ends:
-            last = end == len(tokens)
-            (token,) = runtime.step([Work(session, tokens[start:end], sampler if last else None)])
-            start = end
-        drawn.append(sampler.last)
-        while len(drawn) < answer:
-            (token,) = runtime.step([Work(session, (token,), sampler)])
-            drawn.append(sampler.last)
-        return drawn
-    finally:
-        sampler.close()
+    runtime.truncate(session, 0)
+    return read_from(runtime, session, tokens, cuts, 0, answer)
 
 
 @pytest.mark.parametrize("cut", [9, 100, 250, 256, 300, 500, 505])
