@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from butter.backend import KVSpec, SamplingParams, Work
 from butter.kvcodec import KVCodec
 from butter.library import default_plugins
+from butter.testing.conformance import greedy
 
 mx = pytest.importorskip("mlx.core")
 
@@ -200,16 +201,6 @@ def _runtime(loaded, codec: KVCodec | None, path: str = "compressed", capacity: 
                                  options={})
 
 
-def _greedy(runtime, session: int, tokens, n: int) -> list[int]:
-    sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
-    (token,) = runtime.step([Work(session, tokens, sampler)])
-    drawn = [token]
-    while len(drawn) < n:
-        (token,) = runtime.step([Work(session, (token,), sampler)])
-        drawn.append(token)
-    return drawn
-
-
 _SERVED: dict[tuple[str, str], dict] = {}
 
 
@@ -222,7 +213,7 @@ def _serve(loaded, name: str, path: str = "compressed") -> dict:
     prompts = [loaded.tokenize(p, add_special=False, parse_special=True) for p in PROMPTS]
     first = prompts[0]
     try:
-        served = {"alone": _greedy(runtime, 0, first, DRAWN)}
+        served = {"alone": greedy(runtime, 0, first, DRAWN)}
         sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
         fused = [[t] for t in runtime.step([Work(1, first, sampler),
                                             Work(2, prompts[1], sampler)])]
@@ -236,9 +227,9 @@ def _serve(loaded, name: str, path: str = "compressed") -> dict:
         served["rows"] = {len(layer._pads) for layer in runtime._batch} \
             if name != "raw" else {2}
         assert runtime.fork(0, 3, len(first) - 1)
-        served["forked"] = _greedy(runtime, 3, first[-1:], 3)
+        served["forked"] = greedy(runtime, 3, first[-1:], 3)
         assert runtime.truncate(1, len(first) - 1)  # prefix reuse: cut back, continue
-        served["reused"] = _greedy(runtime, 1, first[-1:], 3)
+        served["reused"] = greedy(runtime, 1, first[-1:], 3)
         served["describe"] = runtime.describe()
     finally:
         runtime.close()
