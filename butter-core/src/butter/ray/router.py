@@ -38,6 +38,8 @@ from typing import Any
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from butter.chat.request import ChatRequest
+
 log = logging.getLogger("butter.ray")
 
 # Seconds a choice counts as load before Serve confirms it (or the request went away).
@@ -57,24 +59,21 @@ TARGET = "butter_replica"
 def routing_key(request: Any) -> str:
     """The prompt in the order the chat template renders it: system, tools, messages.
 
-    Raw completions key on their prompt text (or token ids). Anything else keys on
-    nothing (``""``), which routes by load alone.
+    Raw completions key on their prompt text (or token ids). Anything that is not a
+    :class:`~butter.chat.request.ChatRequest` keys on nothing (``""``): it routes by load
+    alone.
     """
-    raw = getattr(request, "raw_prompt", None)
-    if raw is not None:
-        return raw
-    tokens = getattr(request, "prompt_tokens", None)
-    if tokens is not None:
-        return " ".join(map(str, tokens))
-    messages = getattr(request, "messages", None)
-    if messages is None:
+    if not isinstance(request, ChatRequest):
         return ""
-    system = [m for m in messages if m.get("role") in ("system", "developer")]
-    rest = [m for m in messages if m.get("role") not in ("system", "developer")]
+    if request.raw_prompt is not None:
+        return request.raw_prompt
+    if request.prompt_tokens is not None:
+        return " ".join(map(str, request.prompt_tokens))
+    system = [m for m in request.messages if m.get("role") in ("system", "developer")]
+    rest = [m for m in request.messages if m.get("role") not in ("system", "developer")]
     parts = [_text(m) for m in system]
-    tools = getattr(request, "tools", None)
-    if tools:
-        parts.append(json.dumps(tools, sort_keys=True, separators=(",", ":")))
+    if request.tools:
+        parts.append(json.dumps(request.tools, sort_keys=True, separators=(",", ":")))
     parts.extend(_text(m) for m in rest)
     return "\x1e".join(parts)
 
