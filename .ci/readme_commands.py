@@ -2,9 +2,10 @@
 
 The commands are read from README.md itself (the first ```bash block under a heading), so
 the check follows the README and nothing keeps a second copy. Each runs verbatim, with
-``--port N`` added so that it serves on a free port, in a fresh copy of the checkout (its
-own fresh venv), until ``/health`` answers; then one chat question must be answered with
-the right city. Standard library only: it runs before anything is installed.
+``--port N`` added so that it serves on a free port, in order, in one fresh copy of the
+checkout (the first makes its fresh venv; the MLX line adds to it, as the README says),
+until ``/health`` answers; then one chat question must be answered with the right city.
+Standard library only: it runs before anything is installed.
 
     python3 .ci/readme_commands.py "Set up" "The MLX back end"
 """
@@ -82,13 +83,10 @@ def ask(port: int) -> str:
         return json.load(reply)["choices"][0]["message"]["content"]
 
 
-def run(heading: str, work: Path) -> None:
+def run(heading: str, folder: Path) -> None:
     command = first_command((ROOT / "README.md").read_text(), heading)
     port = free_port()
-    folder = work / re.sub(r"\W+", "-", heading).strip("-").lower()
-    folder.mkdir()
-    fresh_copy(folder)
-    log_path = folder / "serve.log"
+    log_path = folder / f"serve-{re.sub(r'[^a-z]+', '-', heading.lower()).strip('-')}.log"
     print(f"[{heading}] {command} --port {port}", flush=True)
     started = time.monotonic()
     with open(log_path, "wb") as log:
@@ -128,6 +126,7 @@ def fail(heading: str, reason: str, log_path: Path) -> None:
 
 def main(headings: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="butter-readme-") as work:
+        fresh_copy(Path(work))
         for heading in headings:
             run(heading, Path(work))
     print("README commands: all served and answered", flush=True)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import ServerProcess
+from support.hostile import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -52,16 +53,7 @@ class RayServer(ServerProcess):
 
 
 def read_cluster(root: str) -> dict[str, float]:
-    text = httpx.get(f"{root}/metrics", timeout=30).text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, value = line.rsplit(" ", 1)
-        base, _, labels = name.partition("{")
-        kept = [p for p in labels.rstrip("}").split(",") if p and not p.startswith("model=")]
-        values[base + ("{" + ",".join(kept) + "}" if kept else "")] = float(value)
-    return values
+    return read_metrics(root, timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -637,12 +637,9 @@ class GGUFRuntime:
         return True
 
     def reachable(self, session: int, keep: int) -> int:
-        length = self._lengths[session]
-        if keep >= length:
-            return length
-        if self._snapshots is not None:
-            return self._snapshots.last_at_or_below(session, keep)
-        return keep if self.kv.can_truncate(length, keep) else 0
+        snapshots = self._snapshots
+        return self.kv.reachable(self._lengths[session], keep, None if snapshots is None
+                                 else lambda at: snapshots.last_at_or_below(session, at))
 
     def fork(self, source: int, target: int, length: int) -> bool:
         if self.kv.fork is ForkKind.NONE or length > self._lengths[source] or source == target:

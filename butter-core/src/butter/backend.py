@@ -150,6 +150,17 @@ class KVFacts:
         shifted): its cache then no longer holds a prefix of them to reuse or fork."""
         return self.window is not None and length > self.window
 
+    def reachable(self, length: int, keep: int,
+                  snapshot_at_or_below: Callable[[int], int] | None = None) -> int:
+        """The longest prefix, at most ``keep`` tokens, that a session holding ``length``
+        can be cut back to: the last snapshot at or below ``keep`` where the runtime keeps
+        snapshots (``snapshot_at_or_below``), else ``keep`` if it can cut there, else 0."""
+        if keep >= length:
+            return length
+        if snapshot_at_or_below is not None:
+            return snapshot_at_or_below(keep)
+        return keep if self.can_truncate(length, keep) else 0
+
     def can_truncate(self, length: int, keep: int) -> bool:
         """Whether a session holding ``length`` tokens can be cut back to ``keep``."""
         if keep >= length or keep == 0:
