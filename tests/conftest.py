@@ -154,6 +154,16 @@ def tiny_qwen35_moe_folder(tmp_path_factory, tiny_qwen35_sdist) -> Path:
                            moe=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen35_mtp_folder(tmp_path_factory, tiny_qwen35_sdist) -> Path:
+    """The tiny Qwen3.5 (the same main weights) with its multi-token-prediction head:
+    ``mtp_num_hidden_layers: 1`` and random ``mtp.*`` weights in the real layout."""
+    from support.tiny_qwen35 import build_hf_folder
+
+    return build_hf_folder(tmp_path_factory.mktemp("tiny-qwen35-mtp") / "Qwen3.5-MTP-tiny",
+                           mtp=True)
+
+
 def _tiny_gguf(folder: Path, quant: str, *, moe: bool, source: Path | None = None) -> Path:
     from support.qwen35_gguf import convert_folder, quantize
 

@@ -7,6 +7,10 @@ value-head reordering matters), gated full attention (``q_proj`` carries the out
 and partial rotary embeddings (a quarter of each head). ``moe=True`` builds a
 ``qwen3_5_moe`` instead: every layer's MLP is four routed experts (two per token, fused
 ``gate_up_proj`` as the real checkpoints store them) plus a gated shared expert.
+``mtp=True`` adds Qwen3.5's multi-token-prediction head (``mtp_num_hidden_layers: 1``)
+as the real checkpoints carry it, under top-level ``mtp.*`` names: ``mtp.fc`` over the
+normed embedding and hidden state (``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``),
+one full-attention decoder layer ``mtp.layers.0.*`` and ``mtp.norm``.
 
 The vocabulary is the real one: the pinned llama.cpp's ``ggml-vocab-qwen35.gguf``
 (Qwen2's 151,936 ids, Qwen3.5's pre-tokenizer), with Qwen3's added tokens (``<think>``,
@@ -109,7 +113,7 @@ def gguf_py():
 # --- configuration ------------------------------------------------------------------------
 
 
-def text_config(*, moe: bool) -> dict[str, Any]:
+def text_config(*, moe: bool, mtp: bool = False) -> dict[str, Any]:
     """``text_config`` of the tiny model, with the fields the real Qwen3.5 configs carry."""
     layer_types = ["linear_attention" if (i + 1) % INTERVAL else "full_attention"
                    for i in range(LAYERS)]
@@ -135,7 +139,7 @@ def text_config(*, moe: bool) -> dict[str, Any]:
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
         "mamba_ssm_dtype": "float32",
-        "mtp_num_hidden_layers": 0,
+        "mtp_num_hidden_layers": 1 if mtp else 0,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000000,
@@ -160,13 +164,13 @@ def text_config(*, moe: bool) -> dict[str, Any]:
     return config
 
 
-def hf_config(*, moe: bool) -> dict[str, Any]:
+def hf_config(*, moe: bool, mtp: bool = False) -> dict[str, Any]:
     """The folder's ``config.json``: a ``Qwen3_5(Moe)ForConditionalGeneration`` config."""
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe
                           else "Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5_moe" if moe else "qwen3_5",
-        "text_config": text_config(moe=moe),
+        "text_config": text_config(moe=moe, mtp=mtp),
         "tie_word_embeddings": True,
         "transformers_version": "5.0.0",
     }
@@ -254,6 +258,42 @@ def hf_weights(*, moe: bool, seed: int = SEED) -> dict[str, np.ndarray]:
             weights[mlp + "gate_proj.weight"] = dense(inner, hidden)
             weights[mlp + "up_proj.weight"] = dense(inner, hidden)
             weights[mlp + "down_proj.weight"] = dense(hidden, inner)
+    return {name: _bf16_round(value) for name, value in weights.items()}
+
+
+def mtp_weights(*, seed: int = SEED + 1) -> dict[str, np.ndarray]:
+    """Random weights of the multi-token-prediction head under their HF names (``mtp.*``,
+    top level, as Qwen3.5 checkpoints store them; norms zero-centred like the rest)."""
+    cfg = text_config(moe=False, mtp=True)
+    rng = np.random.default_rng(seed)
+    hidden, heads, kv_heads, head_dim = (cfg["hidden_size"], cfg["num_attention_heads"],
+                                         cfg["num_key_value_heads"], cfg["head_dim"])
+    inner = cfg["intermediate_size"]
+
+    def dense(rows: int, cols: int) -> np.ndarray:
+        return rng.normal(0.0, cols ** -0.5, (rows, cols))
+
+    def centred(size: int) -> np.ndarray:
+        return rng.normal(0.0, 0.1, size)
+
+    layer = "mtp.layers.0."
+    weights = {
+        "mtp.fc.weight": dense(hidden, 2 * hidden),
+        "mtp.pre_fc_norm_embedding.weight": centred(hidden),
+        "mtp.pre_fc_norm_hidden.weight": centred(hidden),
+        "mtp.norm.weight": centred(hidden),
+        layer + "input_layernorm.weight": centred(hidden),
+        layer + "post_attention_layernorm.weight": centred(hidden),
+        layer + "self_attn.q_proj.weight": dense(heads * head_dim * 2, hidden),
+        layer + "self_attn.k_proj.weight": dense(kv_heads * head_dim, hidden),
+        layer + "self_attn.v_proj.weight": dense(kv_heads * head_dim, hidden),
+        layer + "self_attn.o_proj.weight": dense(hidden, heads * head_dim),
+        layer + "self_attn.q_norm.weight": centred(head_dim),
+        layer + "self_attn.k_norm.weight": centred(head_dim),
+        layer + "mlp.gate_proj.weight": dense(inner, hidden),
+        layer + "mlp.up_proj.weight": dense(inner, hidden),
+        layer + "mlp.down_proj.weight": dense(hidden, inner),
+    }
     return {name: _bf16_round(value) for name, value in weights.items()}
 
 
@@ -434,17 +474,23 @@ def tokenizer_config(template: str) -> dict[str, Any]:
 # --- builders -----------------------------------------------------------------------------
 
 
-def build_hf_folder(dest: Path, *, moe: bool = False) -> Path:
-    """Write the tiny Qwen3.5 (or Qwen3.5-MoE) HF checkpoint into folder ``dest``."""
+def build_hf_folder(dest: Path, *, moe: bool = False, mtp: bool = False) -> Path:
+    """Write the tiny Qwen3.5 (or Qwen3.5-MoE) HF checkpoint into folder ``dest``; with
+    ``mtp``, the dense model carries its multi-token-prediction head too."""
+    if mtp and moe:
+        raise ValueError("the tiny MTP head is a dense one")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     template = template_text()
     tokens, _, merges = vocabulary()
-    (dest / "config.json").write_text(json.dumps(hf_config(moe=moe), indent=2))
+    (dest / "config.json").write_text(json.dumps(hf_config(moe=moe, mtp=mtp), indent=2))
     (dest / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": ENDOFTEXT, "eos_token_id": [IM_END, ENDOFTEXT], "do_sample": True,
          "temperature": 1.0, "top_k": 20, "top_p": 0.95}, indent=2))
-    write_safetensors(dest / "model.safetensors", hf_weights(moe=moe), keep_f32=("A_log",))
+    weights = hf_weights(moe=moe)
+    if mtp:
+        weights.update(mtp_weights())
+    write_safetensors(dest / "model.safetensors", weights, keep_f32=("A_log",))
     (dest / "tokenizer.json").write_text(json.dumps(tokenizer_json(tokens, merges),
                                                     ensure_ascii=False))
     (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(template),

@@ -26,6 +26,7 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_model
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from butter.errors import ModelLoadError
+from butter_backend_mlx.mtp import load_head
 from butter_backend_mlx.qwen35_gguf import ARCHITECTURES as QWEN35_ARCHITECTURES
 from butter_backend_mlx.qwen35_gguf import qwen35_config, qwen35_weights
 
@@ -67,6 +68,7 @@ class Checkpoint:
     eos_ids: frozenset[int]
     add_bos: bool
     control_ids: frozenset[int]
+    mtp: nn.Module | None = None  # Qwen3.5's multi-token-prediction head (mtp.py)
 
 
 def _scalar(value: Any) -> Any:
@@ -204,6 +206,7 @@ def load_folder(path: Path, model_id: str) -> Checkpoint:
         raise ModelLoadError(model_id, f"mlx-lm could not build it ({_short(exc)})") from None
     config = text_settings(raw_config)
     _float32_experts_on_cpu(model)
+    mtp = load_head(path, model, raw_config, model_id)
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ModelLoadError(model_id, "the folder has no tokenizer.json")
@@ -226,7 +229,7 @@ def load_folder(path: Path, model_id: str) -> Checkpoint:
     return Checkpoint(
         model=model, config=config, tokenizer=tokenizer, chat_template=template,
         bos_id=bos, eos_ids=frozenset(int(t) for t in eos if t is not None),
-        add_bos=bool(settings.get("add_bos_token", False)), control_ids=control,
+        add_bos=bool(settings.get("add_bos_token", False)), control_ids=control, mtp=mtp,
     )
 
 

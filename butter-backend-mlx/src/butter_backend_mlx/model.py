@@ -40,6 +40,7 @@ class MLXModel:
 
     def __init__(self, checkpoint: Checkpoint, *, description: str) -> None:
         self.network = checkpoint.model
+        self.mtp = checkpoint.mtp  # the draft head mlx-lm drops (mtp.py), or None
         self.config = checkpoint.config
         self._tokenizer = checkpoint.tokenizer
         # The same vocabulary without added tokens: client text never becomes a special one.
@@ -75,6 +76,7 @@ class MLXModel:
                                  if (t := vocab.id_to_token(i))),
             n_vocab=int(self.config.get("vocab_size") or vocab.get_vocab_size()),
             fim_tokens=_fim_tokens(vocab),
+            draft_head=self.mtp is not None,
         )
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:

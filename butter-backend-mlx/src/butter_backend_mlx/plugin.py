@@ -126,7 +126,37 @@ def _check_folder(resolved: ResolvedModel) -> CheckpointFacts:
     context = config.get("max_position_embeddings",
                          text.get("max_position_embeddings") if isinstance(text, dict) else None)
     return CheckpointFacts(architecture=config["model_type"],
-                           context_length=context if isinstance(context, int) else None)
+                           context_length=context if isinstance(context, int) else None,
+                           no_draft_head=_no_draft_head(resolved, config))
+
+
+def _no_draft_head(resolved: ResolvedModel, config: dict) -> str | None:
+    """Why this folder's MTP head cannot draft (mtp.py), or None when it can: a dense
+    Qwen3.5 whose config names MTP layers and whose safetensors hold ``mtp.*``."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if config.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
+        return f"the MLX back end runs Qwen3.5's MTP head only, not {config['model_type']}'s"
+    if not text.get("mtp_num_hidden_layers"):
+        return "its config.json names no MTP layers (mtp_num_hidden_layers)"
+    if not any(name.startswith(("mtp.", "model.mtp.")) for name in _tensor_names(resolved.path)):
+        return "the checkpoint holds no mtp.* weights (an mlx-lm conversion drops them)"
+    return None
+
+
+def _tensor_names(folder) -> set[str]:
+    """Tensor names of a folder's safetensors, from the index or each file's header."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return set(json.loads(index.read_text()).get("weight_map", {}))
+        names: set[str] = set()
+        for file in folder.glob("*.safetensors"):
+            with open(file, "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                names.update(json.loads(handle.read(size)))
+        return names
+    except (OSError, ValueError):
+        return set()
 
 
 @hookimpl

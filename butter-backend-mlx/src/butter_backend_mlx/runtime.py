@@ -35,6 +35,7 @@ from butter.errors import InvalidRequestError
 from butter.kvcodec import RAW, KVCodec
 from butter.sampling import allowed_tokens, token_logprob
 from butter_backend_mlx.kvcache import CodecKVCache, install_attention, unsupported
+from butter_backend_mlx.mtp import HeadDrafts, output_head
 from butter_backend_mlx.settings import CPU_PREFILL_STEP, DECODE_PATHS, OPTION_NAMES
 from butter_backend_mlx.snapshots import Snapshots, capture, recurrent, restored, state_bytes
 
@@ -195,6 +196,11 @@ class MLXRuntime:
         self._batch: list | None = None  # batched caches per layer, rows = self._members
         self._members: list[int] = []
         self._head = _output_head(self._network)
+        # Qwen3.5's MTP head: every pass keeps its final hidden states for it (mtp.py).
+        self._heads: HeadDrafts | None = None
+        if model.mtp is not None and kv.window is None and self._codec is None:
+            self._heads = HeadDrafts(model.mtp, self._network, n_sessions)
+            self._head = output_head(self._network)
         rewinds = model.info.can_rewind
         self.fused = model.info.fusable
         raw_bytes = model.kv_token_bytes()
@@ -309,7 +315,8 @@ class MLXRuntime:
         caches = self._caches[item.session]
         if caches is None:
             caches = self._caches[item.session] = self._new_caches()
-        logits = self._last_logits(mx.array([list(item.tokens)]), caches)
+        logits = self._last_logits(mx.array([list(item.tokens)]), caches,
+                                   [(item.session, item.tokens)])
         self._lengths[item.session] += len(item.tokens)
         if item.sampler is not None:
             results[index] = item.sampler.sample(logits[0], item.mask)
@@ -327,16 +334,42 @@ class MLXRuntime:
         if caches is None:
             caches = self._caches[session] = self._new_caches()
         start = self._lengths[session]
-        logits = self._network(mx.array([list(item.tokens)]), cache=caches)[0]
-        mx.eval(logits)
+        # Recurrent layers cannot trim: their state before the pass, to feed again what
+        # stays when a draft is rejected (a hybrid drafts with its MTP head).
+        before = capture(caches) if self._snapshots is not None else None
+        tokens = mx.array([list(item.tokens)])
+        hidden = None
+        if self._heads is not None:
+            hidden = self._network.model(tokens, caches)[0]
+            logits = self._head(hidden)
+            mx.eval(logits, hidden)
+        else:
+            logits = self._network(tokens, cache=caches)[0]
+            mx.eval(logits)
         self._lengths[session] = start + len(item.tokens)
         draws: list[int] = []
         for offset in range(len(draft) + 1):
             draws.append(item.sampler.sample(logits[offset], None))
             if offset == len(draft) or draws[-1] != draft[offset]:
                 break
-        self._cut(session, start + len(draws))
+        keep = start + len(draws)
+        if before is not None and keep < start + len(item.tokens):
+            self._refeed(session, start, before, item.tokens[:len(draws)])
+        else:
+            self._cut(session, keep)
+        if hidden is not None:
+            self._heads.record(session, start, list(item.tokens[:len(draws)]),
+                               hidden[:len(draws)])
         return tuple(draws)
+
+    def _refeed(self, session: int, start: int, before, tokens: Sequence[int]) -> None:
+        """Back to ``session``'s state at ``start`` (recurrent layers from ``before``,
+        attention trimmed), then ``tokens`` fed again: the state plain decoding has."""
+        caches = restored(self._caches[session], before, self._lengths[session], start, None)
+        self._network.model(mx.array([list(tokens)]), caches)
+        mx.eval([c.state for c in caches])
+        self._caches[session] = caches
+        self._lengths[session] = start + len(tokens)
 
     def _merged_pass(self, work: Sequence[Work], indices: list[int],
                      results: list[int | None]) -> None:
@@ -348,7 +381,8 @@ class MLXRuntime:
         merged = [_merge([caches[layer] for caches in per_session])
                   for layer in range(len(per_session[0]))]
         tokens = mx.array([list(work[i].tokens) for i in indices])
-        logits = self._last_logits(tokens, merged)
+        logits = self._last_logits(tokens, merged,
+                                   [(s, work[i].tokens) for i, s in zip(indices, sessions)])
         mx.eval(logits)
         for row, (i, session) in enumerate(zip(indices, sessions)):
             self._caches[session] = [layer.extract(row) for layer in merged]
@@ -378,7 +412,8 @@ class MLXRuntime:
         tokens = [[0]] * len(self._members)
         for i in indices:
             tokens[row_of[work[i].session]] = [work[i].tokens[0]]
-        logits = self._last_logits(mx.array(tokens), self._batch)
+        rows = [(s, tokens[row]) if s in wanted else None for row, s in enumerate(self._members)]
+        logits = self._last_logits(mx.array(tokens), self._batch, rows)
         mx.eval(logits)
         for i in indices:
             session = work[i].session
@@ -394,13 +429,22 @@ class MLXRuntime:
                              window=self._window, keep=self._keep)
                 for layer in range(layers)]
 
-    def _last_logits(self, tokens: mx.array, cache: list) -> mx.array:
+    def _last_logits(self, tokens: mx.array, cache: list, rows: Sequence = ()) -> mx.array:
         """Logits of each row's last position only: the vocabulary projection of every
-        other position is a third of a prefill chunk's work on a CPU, for nothing."""
+        other position is a third of a prefill chunk's work on a CPU, for nothing.
+        With an MTP head, ``rows`` (per row: its session and tokens, or None) keep every
+        position's hidden state for it; call before the sessions' lengths advance."""
         if self._head is None:
             return self._network(tokens, cache=cache)[:, -1, :]
-        hidden = self._network.model(tokens, cache)[:, -1, :]
-        return self._head(hidden)
+        hidden = self._network.model(tokens, cache)
+        logits = self._head(hidden[:, -1, :])
+        if self._heads is not None:
+            mx.eval(logits, hidden)
+            for row, entry in enumerate(rows):
+                if entry is not None:
+                    session, fed = entry
+                    self._heads.record(session, self._lengths[session], list(fed), hidden[row])
+        return logits
 
     def _leave_batch(self, session: int) -> None:
         """Give ``session`` its own caches back if it is a row of the decode batch."""
@@ -419,7 +463,10 @@ class MLXRuntime:
     # ---- sessions ------------------------------------------------------------------
 
     def draft_room(self, session: int, draft: int) -> int:
-        return min(draft, self.max_draft)
+        return min(draft, max(self.max_draft, 1 if self._heads is not None else 0))
+
+    def propose(self, session: int, token: int) -> tuple[int, ...]:
+        return self._heads.propose(session, token) if self._heads is not None else ()
 
     def new_sampler(self, params: SamplingParams) -> MLXSampler:
         return MLXSampler(params)
@@ -451,6 +498,8 @@ class MLXRuntime:
         state = snapshots.get(session, keep) if snapshots and keep < length else None
         if snapshots is not None and keep < length and state is None:
             keep = 0  # recurrent state with no snapshot there: only dropping it works
+        if self._heads is not None and keep < length:
+            self._heads.cut(session, keep)
         if keep == 0 or caches is None:
             self._caches[session] = None
             self._lengths[session] = 0
@@ -485,6 +534,8 @@ class MLXRuntime:
         mx.eval([c.state for c in copies if not c.empty()])
         self._caches[target] = copies if length else None
         self._lengths[target] = length
+        if self._heads is not None:
+            self._heads.fork(source, target, length)
         return True
 
     def describe(self) -> dict[str, object]:

@@ -43,6 +43,9 @@ class ModelInfo:
     n_vocab: int = 0  # logits per position (token ids run below it)
     # Fill-in-the-middle tokens (prefix, suffix, middle), if the vocabulary has them.
     fim_tokens: tuple[int, int, int] | None = None
+    # The checkpoint's own draft head runs (Qwen3.5's multi-token prediction): the
+    # runtime drafts with ``Runtime.propose`` (``--speculation mtp``).
+    draft_head: bool = False
 
 
 @attrs.frozen
@@ -227,6 +230,10 @@ class Runtime(Protocol):
         tuple of draws for an item with a ``draft``).
         Raise :class:`StepFailedError` when the step cannot run: nothing is appended."""
 
+    def propose(self, session: int, token: int) -> tuple[int, ...]:
+        """The model's own draft head's guess at what follows ``token`` (``session``'s
+        last draw, not yet fed). Called only where ``ModelInfo.draft_head`` is set."""
+
     def draft_room(self, session: int, draft: int) -> int:
         """How many of ``draft`` drafted tokens ``session``'s next step may verify on the
         attention path a plain decode row there would take (0: decode it plainly)."""
@@ -280,6 +287,9 @@ class CheckpointFacts:
 
     architecture: str | None = None
     context_length: int | None = None  # trained context, if the checkpoint says
+    # Why the checkpoint's own draft head (``--speculation mtp``) cannot run here, or
+    # None when it can.
+    no_draft_head: str | None = "the back end runs no draft head"
 
 
 @attrs.frozen

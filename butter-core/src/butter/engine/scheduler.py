@@ -59,7 +59,8 @@ class EngineConfig:
     prefill_chunk: int = 256  # prefill chunks end at multiples of it
     kv: KVSpec = KVSpec()
     # ``ngram``: requests draft from their own context (prompt lookup) where the runtime
-    # verifies exactly; ``none``: never (``--speculation``).
+    # verifies exactly; ``mtp``: from the checkpoint's own multi-token-prediction head
+    # (``ModelInfo.draft_head``); ``none``: never (``--speculation``).
     speculation: str = "ngram"
     # The back end's own settings (``Backend.options``), checked, passed through.
     options: dict = attrs.field(factory=dict)
@@ -86,6 +87,10 @@ class Engine:
     """Runs every request of one loaded model on one thread."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, *, name: str = "engine") -> None:
+        if config.speculation == "mtp" and not model.info.draft_head:
+            raise InvalidRequestError("Speculation 'mtp' drafts with the checkpoint's own "
+                                      "multi-token-prediction head; this model has none "
+                                      "that its back end runs.")
         self.model = model
         self.config = config
         self.metrics = Metrics()
@@ -333,10 +338,13 @@ class Engine:
         verifies drafts and can drop rejected positions, and each draw depends on nothing
         a draft would have to guess (a grammar's state; logprobs are per draw)."""
         kv = self._runtime.kv
-        return self.config.speculation == "ngram" and request.params.speculation \
-            and self._runtime.max_draft > 0 and kv.truncate is TruncateKind.ANYWHERE \
-            and kv.window is None and request.constraint is None \
-            and request.params.logprobs is None
+        if not request.params.speculation or kv.window is not None \
+                or request.constraint is not None or request.params.logprobs is not None:
+            return False
+        if self.config.speculation == "mtp":  # the runtime rolls its own state back
+            return self.model.info.draft_head
+        return self.config.speculation == "ngram" and self._runtime.max_draft > 0 \
+            and kv.truncate is TruncateKind.ANYWHERE
 
     def _draft(self, request: Request, limit: int) -> tuple[int, ...]:
         """The tokens ``request`` drafts after its last one (at most ``limit``): never more
@@ -346,6 +354,11 @@ class Engine:
             return ()
         # Plain decoding feeds at most max_tokens - 1 answer tokens: so do verifies.
         limit = min(limit, request.max_tokens - len(request.generated) - 1)
+        if self.config.speculation == "mtp":
+            if drafter.paused or limit <= 0:
+                return ()
+            draft = self._runtime.propose(request.session.seq_id, request.last_token)[:limit]
+            return draft[:self._runtime.draft_room(request.session.seq_id, len(draft))]
         lanes = sum(1 for r in self._active if r.phase is Phase.DECODE)
         draft = drafter.propose(limit, lanes)
         if draft:

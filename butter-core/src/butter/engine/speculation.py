@@ -69,6 +69,11 @@ class Drafter:
                 self._pause -= 1
 
     @property
+    def paused(self) -> bool:
+        """Whether failed verifies keep this request decoding plainly for now."""
+        return self._pause > 0
+
+    @property
     def acceptance(self) -> float:
         """The chance that a drafted token is accepted, given the one before it was."""
         hits, misses = self._hits + PRIOR[0], self._misses + PRIOR[1]
