@@ -142,6 +142,9 @@ class EngineBackend:
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "owned_by": "butter"}
 
+    def model_cards(self) -> list[dict]:
+        return [self.model_card()]
+
     def metrics_text(self) -> str:
         return self.engine.metrics.render(model_id=self.model_id, fused=self.engine.fused)
 

@@ -94,6 +94,9 @@ class ScriptedBackend:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "owned_by": "butter"}
 
+    def model_cards(self) -> list[dict[str, Any]]:
+        return [self.model_card()]
+
     def metrics_text(self) -> str:
         return ""
 

@@ -14,6 +14,9 @@ class StubBackend:
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "owned_by": "butter"}
 
+    def model_cards(self) -> list[dict]:
+        return [self.model_card()]
+
     def metrics_text(self) -> str:
         return ""
 

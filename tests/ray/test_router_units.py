@@ -9,7 +9,7 @@ import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from butter.ray.metrics import cluster_exposition
+from butter.ray.metrics import ModelReport, cluster_exposition
 from butter.ray.router import PrefixTable, block_hashes, routing_key
 from butter.wire.anthropic import parse_messages_request
 from butter.wire.openai import parse_chat_completion
@@ -58,22 +58,32 @@ def test_a_table_forgets_its_least_recent_blocks_first():
     assert table.matched([1]) == 1 and table.matched([2]) == 0 and len(table) == 3
 
 
-def test_cluster_exposition_has_each_replica_and_the_total():
+def test_cluster_exposition_has_each_replica_and_the_total_per_model():
     engine = ('# HELP butter_requests_total Requests.\n# TYPE butter_requests_total counter\n'
               'butter_requests_total{model="m"} 3.0\n')
     stats = [{"replica": "a", "requests": 3, "prompt_tokens": 100, "cached_tokens": 80,
               "queue": 1, "free_kv": 0.5, "pid": 11, "exposition": engine},
              {"replica": "b", "requests": 1, "prompt_tokens": 100, "cached_tokens": 0,
               "queue": 0, "free_kv": 1.0, "pid": 12, "exposition": engine}]
-    text = cluster_exposition(stats, model_id="m", decisions={"affinity": 2},
-                              inflight={"a": 1, "b": 0})
-    samples = {(s.name, s.labels.get("replica")): s.value
+    other = [{"replica": "c", "requests": 5, "prompt_tokens": 10, "cached_tokens": 5,
+              "exposition": engine.replace('model="m"', 'model="n"')}]
+    text = cluster_exposition([
+        ModelReport("m", stats, decisions={"affinity": 2}, inflight={"a": 1, "b": 0}),
+        ModelReport("n", other, decisions={"new": 1})])
+    samples = {(s.name, s.labels.get("model"), s.labels.get("replica") or s.labels.get("kind")
+                ): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
-    assert samples[("butter_cluster_requests_total", "total")] == 4
-    assert samples[("butter_cluster_prefix_hit_rate", "a")] == 0.8
-    assert samples[("butter_cluster_prefix_hit_rate", "total")] == 0.4
-    assert samples[("butter_requests_total", "b")] == 3  # each engine's own series
-    assert samples[("butter_router_inflight", "a")] == 1
+    assert samples[("butter_cluster_requests_total", "m", "total")] == 4
+    assert samples[("butter_cluster_prefix_hit_rate", "m", "a")] == 0.8
+    assert samples[("butter_cluster_prefix_hit_rate", "m", "total")] == 0.4
+    assert samples[("butter_requests_total", "m", "b")] == 3  # each engine's own series
+    assert samples[("butter_router_inflight", "m", "a")] == 1
+    # A second model's deployment: its own rows, total and router counts.
+    assert samples[("butter_cluster_replicas", "m", None)] == 2
+    assert samples[("butter_cluster_replicas", "n", None)] == 1
+    assert samples[("butter_cluster_requests_total", "n", "total")] == 5
+    assert samples[("butter_router_decisions_total", "n", "new")] == 1
+    assert samples[("butter_requests_total", "n", "c")] == 3
 
 
 def free_port() -> int:

@@ -43,11 +43,13 @@ class Generation:
     Iterate it for :class:`~butter.chat.recovery.Delta` objects; afterwards
     ``finish_reason``, ``usage`` and ``tool_calls`` are set. ``cancel()`` stops the
     work at the next bounded work unit (safe to call at any time, more than once).
+    ``model`` is the id of the model that answers (what the response names).
     """
 
     def __init__(self, backend: ButterServeBackend, request: Request, channel: AsyncChannel,
                  reader: AnswerReader) -> None:
         self._backend = backend
+        self.model = backend.model_id
         self._request = request
         self._channel = channel
         self._answer = Answer(reader)
@@ -195,7 +197,12 @@ class Choices:
 
 @runtime_checkable
 class ServeBackend(Protocol):
-    """What ``butter.http`` needs: one resident model id and chat generations."""
+    """What ``butter.http`` needs: the models it serves and chat generations.
+
+    One process serves one resident model; Ray Serve's ingress serves several, one
+    deployment each (``model_cards`` lists them all, ``model_id`` is the one a request
+    naming no model gets).
+    """
 
     @property
     def model_id(self) -> str: ...
@@ -205,6 +212,9 @@ class ServeBackend(Protocol):
         """False once the engine has stopped on its own: ``/health`` answers 503."""
 
     def model_card(self) -> dict: ...
+
+    def model_cards(self) -> list[dict]:
+        """Every model served, ``model_card()`` first (``/v1/models``)."""
 
     async def generate(self, request: ChatRequest) -> Generation: ...
 
@@ -264,6 +274,9 @@ class ButterServeBackend:
                 **self.engine.runtime_facts,
             },
         }
+
+    def model_cards(self) -> list[dict]:
+        return [self.model_card()]
 
     def _prepare(self, request: ChatRequest) -> Prepared:
         return self.model.prepare(request, default_thinking=self.enable_thinking,
@@ -362,6 +375,9 @@ class ResidentServeBackend:
 
     def model_card(self) -> dict:
         return self._current.model_card()
+
+    def model_cards(self) -> list[dict]:
+        return [self.model_card()]
 
     def metrics_text(self) -> str:
         return self._current.metrics_text()

@@ -31,6 +31,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class ModelsAction(argparse.Action):
+    """``--model``, repeatable: ``model`` is the first given (the one a request naming no
+    model gets), ``models`` every one in order. Only Ray Serve serves more than one
+    (``butter serve`` refuses several without ``--replicas``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        models = [*namespace.models, values]  # a new list: the default () is shared
+        namespace.models = models
+        namespace.model = models[0]
+
+
 def integer(text: str, minimum: int) -> int:
     try:
         value = int(text)

@@ -15,6 +15,7 @@ from butter.cli.common import (
     BACKEND_OPTION,
     DEFAULT_WINDOW_KEEP,
     MAX_BATCH,
+    ModelsAction,
     Parser,
     UsageError,
     count,
@@ -37,9 +38,12 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     serve = commands.add_parser("serve", help="serve one model over HTTP")
-    serve.add_argument("--model", required=True,
+    serve.add_argument("--model", required=True, action=ModelsAction,
                        help="GGUF path, alias (smollm2), or a Hugging Face id (owner/repo, "
-                            "owner/repo:QUANT, owner/repo/file.gguf), downloaded if not cached")
+                            "owner/repo:QUANT, owner/repo/file.gguf), downloaded if not "
+                            "cached; repeatable with --replicas (one Ray Serve deployment "
+                            "per model behind one address)")
+    serve.set_defaults(models=())
     serve.add_argument("--alias", default=None, metavar="NAME",
                        help="the id /v1/models shows for --model (default: the alias or hub "
                             "id given, or a path's file name without extension); requests "
@@ -58,10 +62,12 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", type=positive, default=256,
                        help=f"prompt tokens per prefill chunk, at most {MAX_BATCH}; chunks "
                             "start at multiples of it whatever else runs")
-    serve.add_argument("--speculation", choices=("none", "ngram"), default="ngram",
+    serve.add_argument("--speculation", choices=("none", "ngram", "mtp"), default="ngram",
                        help="ngram (default): answers that repeat their context draft those "
                             "tokens (prompt lookup) and verify them in one pass, the same "
-                            "tokens as without; none: never (a request's `speculation: "
+                            "tokens as without; mtp: the checkpoint's own multi-token-"
+                            "prediction head drafts (Qwen3.5 folders with mtp.* weights, "
+                            "MLX back end); none: never (a request's `speculation: "
                             "false` turns it off for that request)")
     serve.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default=None)

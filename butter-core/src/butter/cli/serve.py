@@ -36,6 +36,10 @@ _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$", re.IGNORECASE)
 
 def run_serve(args: argparse.Namespace, plugins: Plugins) -> int:
     setup_logging(args.log_level)
+    if len(args.models) > 1 and args.replicas is None and args.ray_address is None:
+        raise UsageError("--model", f"{len(args.models)} models given; one process serves "
+                         f"one. Serve several behind one address with --replicas N (N Ray "
+                         f"Serve replicas of each)")
     if args.replicas is not None or args.ray_address is not None:
         from butter.ray.launch import run_replicas  # Ray is imported only here
 
@@ -129,6 +133,10 @@ def check_flags(args: argparse.Namespace, plugins: Plugins, *, listen: bool = Tr
     except ButterError as error:
         raise UsageError("--model", error.message) from None
     backend = checked.backend
+    if args.speculation == "mtp" and checked.facts.no_draft_head:
+        raise UsageError("--speculation", f"mtp drafts with the checkpoint's own multi-token-"
+                         f"prediction head, and {backend.name} cannot: "
+                         f"{checked.facts.no_draft_head}")
     options = _backend_options(args, backend, plugins)
     limits = backend.limits
     _at_most("--parallel", args.parallel, limits.max_parallel)

@@ -40,7 +40,7 @@ from butter.wire.anthropic import (
 async def messages(request: Request, backend: Backend) -> Response | Stream:
     chat = parse_messages_request(await read_json(request))
     generation = await backend.generate(chat)
-    message = MessageBuilder(message_id=new_message_id(), model=backend.model_id)
+    message = MessageBuilder(message_id=new_message_id(), model=generation.model)
     if chat.stream:
         watch_disconnect(request, generation)
         return Stream(_events(generation, message), media_type="text/event-stream",

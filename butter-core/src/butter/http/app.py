@@ -33,17 +33,17 @@ async def health(backend: Backend) -> Response:
 
 @get("/v1/models")
 async def list_models(backend: Backend) -> dict:
-    return {"object": "list", "data": [backend.model_card()]}
+    return {"object": "list", "data": backend.model_cards()}
 
 
 @get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: Annotated[str, PathParameter()], backend: Backend) -> dict:
-    """The resident model's card (the SDK's ``models.retrieve``); any other id is 404."""
+    """A served model's card (the SDK's ``models.retrieve``); any other id is 404."""
     model_id = model_id.lstrip("/")
-    card = backend.model_card()
-    if model_id != card["id"]:
-        raise ModelNotFoundError(model_id)
-    return card
+    for card in backend.model_cards():
+        if card["id"] == model_id:
+            return card
+    raise ModelNotFoundError(model_id)
 
 
 @get("/metrics", media_type=MediaType.TEXT)

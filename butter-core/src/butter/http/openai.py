@@ -57,7 +57,8 @@ async def _respond(request: Request, backend: ServeBackend, asked: list[ChatRequ
     choices = await Choices.start(backend, asked)  # n choices each, side by side
     first = asked[0]
     completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    writer = ChunkWriter(completion_id=completion_id, model=backend.model_id,
+    model = choices.generations[0].model  # the model that answers, of those served
+    writer = ChunkWriter(completion_id=completion_id, model=model,
                          created=choices.created, text=not chat)
     echoes = [asked[p].raw_prompt or "" if asked[p].echo else "" for p in choices.prompts]
     if first.stream:
@@ -65,7 +66,7 @@ async def _respond(request: Request, backend: ServeBackend, asked: list[ChatRequ
         return Stream(_stream(choices, writer, echoes, include_usage=first.include_usage),
                       media_type="text/event-stream", headers=SSE_HEADERS)
     async with cancel_on_disconnect(request, choices):
-        body = await _whole(choices, backend.model_id, completion_id, echoes, chat=chat,
+        body = await _whole(choices, model, completion_id, echoes, chat=chat,
                             logprobs=first.params.logprobs is not None)
     return Response(body, media_type="application/json")
 

@@ -1,18 +1,21 @@
-"""The two Ray Serve deployments of a butter application.
+"""The Ray Serve deployments of a butter application.
 
 - :class:`ButterReplica`: one of N replicas, each running butter's own engine in-process
   (the ``ResidentServeBackend`` of ``butter serve``, built from the same checked flags)
-  with request-driven swaps off: a request naming another model is a 404.
+  with request-driven swaps off: a request naming another model is a 404. Several models
+  are several deployments of it, one per model, each under its own name.
 - :class:`ButterIngress`: the thin HTTP ingress. Serve's proxy routes before it reads a
   body, so the prompt-aware choice happens here: the ingress runs butter's own litestar
   app (:func:`butter.http.app.create_app`) over a
-  :class:`~butter.ray.remote.RemoteBackend`, which calls the replicas through a
-  streaming ``DeploymentHandle`` routed by :class:`~butter.ray.router.PrefixAffinityRouter`.
+  :class:`~butter.ray.remote.RemoteBackend`, which picks the deployment by the request's
+  ``model`` and calls its replicas through a streaming ``DeploymentHandle`` routed by
+  that deployment's :class:`~butter.ray.router.PrefixAffinityRouter`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from typing import Any
 
@@ -21,18 +24,19 @@ from ray.serve.handle import DeploymentHandle
 
 from butter.chat.request import ChatRequest
 from butter.errors import ButterError
-from butter.ray.registry import router_for
-from butter.ray.remote import Failure, RemoteBackend, replica_stats, stream_generation
+from butter.ray.launch import REPLICA
+from butter.ray.remote import (
+    Deployment,
+    Failure,
+    RemoteBackend,
+    replica_stats,
+    stream_generation,
+)
 from butter.ray.router import TARGET
 
 log = logging.getLogger("butter.ray")
 
-REPLICA = "ButterReplica"
 INGRESS = "ButterIngress"
-
-
-def _replica_router():
-    return router_for(REPLICA)
 
 
 def _plugins():
@@ -94,16 +98,20 @@ class ButterReplica:
 class ButterIngress:
     """The HTTP surface: butter's app over the replicas' handle."""
 
-    async def __init__(self, replicas: DeploymentHandle, args: argparse.Namespace) -> None:
+    async def __init__(self, models: list[DeploymentHandle], args: argparse.Namespace
+                       ) -> None:
+        """``models``: one replica deployment's handle per model, the first answering
+        requests that name no model."""
         from butter.cli.serve import parse_origins
         from butter.http.access import AccessPolicy, is_loopback
 
         self.access = AccessPolicy(allowed_origins=parse_origins(args.allowed_origins),
                                    api_key=args.api_key, loopback_only=is_loopback(args.host))
-        # The first call creates the handle's router in this process (and waits for a
-        # replica to be up): the card every /v1/models answer is built from.
-        card = await replicas.card.remote()
-        self.backend = RemoteBackend(replicas, card, _replica_router)
+        # Each first call creates that handle's router in this process (and waits for a
+        # replica to be up): the cards every /v1/models answer is built from.
+        cards = await asyncio.gather(*(handle.card.remote() for handle in models))
+        self.backend = RemoteBackend([Deployment(handle, card)
+                                      for handle, card in zip(models, cards)])
 
     def __serve_build_asgi_app__(self):
         from butter.http.app import create_app

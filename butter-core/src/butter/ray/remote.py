@@ -4,9 +4,10 @@ A replica runs butter's own :class:`~butter.serving.ResidentServeBackend` and st
 request as records: :class:`Started` once the engine admitted the prompt, then the
 parsed deltas, then :class:`Finished` (or :class:`Failure`, a ``ButterError`` as data).
 The ingress wraps that stream in :class:`RemoteGeneration`, which quacks like
-:class:`~butter.serving.Generation`, behind :class:`RemoteBackend`, which quacks like a
-:class:`~butter.serving.ServeBackend`: the litestar app of ``butter serve``
-(:func:`butter.http.app.create_app`) serves it unchanged, every route and error with it.
+:class:`~butter.serving.Generation`, behind :class:`RemoteBackend` (one
+:class:`Deployment` per model), which quacks like a :class:`~butter.serving.ServeBackend`:
+the litestar app of ``butter serve`` (:func:`butter.http.app.create_app`) serves it
+unchanged, every route and error with it.
 
 Cancelling a :class:`RemoteGeneration` cancels the handle call; Ray cancels the
 replica's task, whose ``finally`` cancels the engine request at its next step.
@@ -22,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -31,6 +32,9 @@ from butter.chat.request import ChatRequest
 from butter.errors import ButterError, ForwardedError, InternalError, ReplicaLostError
 from butter.generation import Usage
 from butter.serving import ServeBackend
+
+if TYPE_CHECKING:
+    from butter.ray.metrics import ModelReport
 
 log = logging.getLogger("butter.ray")
 
@@ -43,6 +47,7 @@ TARGETED_TIMEOUT = 10.0
 class Started:
     prompt_tokens: int
     replica: str
+    model: str  # the id the replica serves its model as
 
 
 @attrs.frozen
@@ -81,7 +86,7 @@ async def stream_generation(backend: ServeBackend, request: ChatRequest,
         yield Failure.of(error)
         return
     try:
-        yield Started(generation.prompt_tokens, replica)
+        yield Started(generation.prompt_tokens, replica, generation.model)
         async for delta in generation:
             yield delta
         yield Finished(generation.finish_reason, generation.stop_sequence, generation.usage,
@@ -156,6 +161,7 @@ class RemoteGeneration:
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.replica = ""
+        self.model = ""
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
@@ -193,6 +199,7 @@ class RemoteGeneration:
             raise first.error()
         self.prompt_tokens = first.prompt_tokens
         self.replica = first.replica
+        self.model = first.model
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
@@ -219,34 +226,39 @@ class RemoteGeneration:
         self._ended()
 
 
-class RemoteBackend:
-    """A :class:`~butter.serving.ServeBackend` whose engines are Ray Serve replicas.
+class Deployment:
+    """One model's replica deployment, as the ingress calls it.
 
-    ``handle`` is the replicas' deployment handle; ``card`` the model card one replica
-    gave. ``router`` is a callable returning the handle's
-    :class:`~butter.ray.router.PrefixAffinityRouter` (it exists once the handle routed a
-    call), which names the replicas for /metrics and /health.
+    ``handle`` is its deployment handle; ``card`` the model card one replica gave. Its
+    router (a :class:`~butter.ray.router.PrefixAffinityRouter`, living in this process
+    once the handle routed a call) names the replicas for /metrics and /health.
     """
 
-    def __init__(self, handle: Any, card: dict, router: Any) -> None:
+    def __init__(self, handle: Any, card: dict) -> None:
         self._handle = handle
         self._stream_handle = handle.options(stream=True)
-        self._card = card
-        self._router = router
+        self.card = card
+        self.name = handle.deployment_name
 
     @property
     def model_id(self) -> str:
-        return self._card["id"]
+        return self.card["id"]
+
+    def router(self) -> Any:
+        from butter.ray.registry import router_for
+
+        return router_for(self.name)
 
     @property
     def healthy(self) -> bool:
-        router = self._router()
+        """Routable: its router lists a replica (or has not started yet)."""
+        router = self.router()
         return router is None or bool(router.replica_ids)
 
     def model_card(self) -> dict:
-        router = self._router()
+        router = self.router()
         replicas = len(router.replica_ids) if router is not None else None
-        return {**self._card, "butter": {**self._card["butter"], "replicas": replicas}}
+        return {**self.card, "butter": {**self.card["butter"], "replicas": replicas}}
 
     async def generate(self, request: ChatRequest) -> RemoteGeneration:
         with own_request_id() as request_id:
@@ -256,7 +268,7 @@ class RemoteBackend:
         return generation
 
     def _release(self, request_id: str) -> None:
-        router = self._router()
+        router = self.router()
         if router is not None and hasattr(router, "release"):
             # The router lives on Serve's router thread: its state changes there only.
             router._event_loop.call_soon_threadsafe(router.release, request_id)
@@ -278,7 +290,7 @@ class RemoteBackend:
         """Every replica's :func:`replica_stats`, each asked by id (none that fail)."""
         from butter.ray.router import TARGET
 
-        router = self._router()
+        router = self.router()
         if router is None:
             return []
 
@@ -301,14 +313,59 @@ class RemoteBackend:
                 break
         return [found[r] for r in wanted if r in found]
 
+    async def report(self) -> ModelReport:
+        """What /metrics shows of this model: its replicas' stats and its router's."""
+        from butter.ray.metrics import ModelReport
+
+        router = self.router()
+        return ModelReport(
+            model_id=self.model_id, stats=await self.replica_stats(),
+            decisions=dict(router.decisions) if router is not None else {},
+            inflight=dict(getattr(router, "inflight", {})) if router is not None else {})
+
+
+class RemoteBackend:
+    """A :class:`~butter.serving.ServeBackend` whose engines are Ray Serve replicas: one
+    :class:`Deployment` per model, the first answering requests that name no model.
+
+    A request goes to the deployment serving its ``model``. Any other name goes to the
+    first deployment, whose replicas resolve it as one ``butter serve --no-swap`` does:
+    another name of that checkpoint is served, anything else is the same 404.
+    """
+
+    def __init__(self, deployments: list[Deployment]) -> None:
+        self._deployments = deployments
+        self._by_id = {deployment.model_id: deployment for deployment in deployments}
+
+    def deployment(self, model: str | None) -> Deployment:
+        return self._by_id.get(model or "", self._deployments[0])
+
+    @property
+    def model_id(self) -> str:
+        return self._deployments[0].model_id
+
+    @property
+    def healthy(self) -> bool:
+        """Every model has a routable replica."""
+        return all(deployment.healthy for deployment in self._deployments)
+
+    def model_card(self) -> dict:
+        return self._deployments[0].model_card()
+
+    def model_cards(self) -> list[dict]:
+        return [deployment.model_card() for deployment in self._deployments]
+
+    async def generate(self, request: ChatRequest) -> RemoteGeneration:
+        return await self.deployment(request.model).generate(request)
+
+    async def count_tokens(self, request: ChatRequest) -> int:
+        return await self.deployment(request.model).count_tokens(request)
+
     async def metrics_text(self) -> str:
         from butter.ray.metrics import cluster_exposition
 
-        router = self._router()
-        decisions = dict(router.decisions) if router is not None else {}
-        inflight = dict(getattr(router, "inflight", {})) if router is not None else {}
-        return cluster_exposition(await self.replica_stats(), model_id=self.model_id,
-                                  decisions=decisions, inflight=inflight)
+        return cluster_exposition(
+            await asyncio.gather(*(d.report() for d in self._deployments)))
 
     async def aclose(self) -> None:
         return None
