@@ -261,9 +261,13 @@ def hf_weights(*, moe: bool, seed: int = SEED) -> dict[str, np.ndarray]:
     return {name: _bf16_round(value) for name, value in weights.items()}
 
 
-def mtp_weights(*, seed: int = SEED + 1) -> dict[str, np.ndarray]:
+def mtp_weights(*, seed: int = SEED + 1, copies: bool = False) -> dict[str, np.ndarray]:
     """Random weights of the multi-token-prediction head under their HF names (``mtp.*``,
-    top level, as Qwen3.5 checkpoints store them; norms zero-centred like the rest)."""
+    top level, as Qwen3.5 checkpoints store them; norms zero-centred like the rest).
+
+    ``copies``: a head that guesses the token it is given comes again (``fc`` passes the
+    normed embedding through, the layer's output projections are zero, the norms are
+    plain), so its drafts are accepted wherever the model repeats a token."""
     cfg = text_config(moe=False, mtp=True)
     rng = np.random.default_rng(seed)
     hidden, heads, kv_heads, head_dim = (cfg["hidden_size"], cfg["num_attention_heads"],
@@ -294,6 +298,12 @@ def mtp_weights(*, seed: int = SEED + 1) -> dict[str, np.ndarray]:
         layer + "mlp.up_proj.weight": dense(inner, hidden),
         layer + "mlp.down_proj.weight": dense(hidden, inner),
     }
+    if copies:
+        weights["mtp.fc.weight"] = np.eye(hidden, 2 * hidden)
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            weights[layer + name] = np.zeros_like(weights[layer + name])
+        for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.norm.weight"):
+            weights[name] = np.zeros(hidden)
     return {name: _bf16_round(value) for name, value in weights.items()}
 
 
@@ -474,9 +484,11 @@ def tokenizer_config(template: str) -> dict[str, Any]:
 # --- builders -----------------------------------------------------------------------------
 
 
-def build_hf_folder(dest: Path, *, moe: bool = False, mtp: bool = False) -> Path:
+def build_hf_folder(dest: Path, *, moe: bool = False, mtp: bool = False,
+                    mtp_copies: bool = False) -> Path:
     """Write the tiny Qwen3.5 (or Qwen3.5-MoE) HF checkpoint into folder ``dest``; with
-    ``mtp``, the dense model carries its multi-token-prediction head too."""
+    ``mtp``, the dense model carries its multi-token-prediction head too (``mtp_copies``:
+    the head of :func:`mtp_weights` ``copies=True``)."""
     if mtp and moe:
         raise ValueError("the tiny MTP head is a dense one")
     dest = Path(dest)
@@ -489,7 +501,7 @@ def build_hf_folder(dest: Path, *, moe: bool = False, mtp: bool = False) -> Path
          "temperature": 1.0, "top_k": 20, "top_p": 0.95}, indent=2))
     weights = hf_weights(moe=moe)
     if mtp:
-        weights.update(mtp_weights())
+        weights.update(mtp_weights(copies=mtp_copies))
     write_safetensors(dest / "model.safetensors", weights, keep_f32=("A_log",))
     (dest / "tokenizer.json").write_text(json.dumps(tokenizer_json(tokens, merges),
                                                     ensure_ascii=False))
