@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import ServerProcess
-from support.hostile import read_metrics
+from support.ray_server import RayServer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -24,36 +24,6 @@ SMOLLM2_CONTEXT = 8192
 PARALLEL = 8
 GAUGES = ("butter_cluster_active_requests", "butter_cluster_queued_requests",
           "butter_cluster_sessions_busy")
-
-
-class RayServer(ServerProcess):
-    """``butter serve --replicas``: Ray takes longer to start and to stop."""
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(60)
-            except Exception:
-                self.process.kill()
-                self.process.wait(10)
-        self._log.close()
-
-    def cluster(self) -> dict[str, float]:
-        """``/metrics`` as ``{"name{labels}": value}`` (the model label left out)."""
-        return read_cluster(self.root)
-
-    def replicas(self) -> dict[str, int]:
-        """Replica id -> process id, as /metrics reports them."""
-        found = {}
-        for key, value in self.cluster().items():
-            if key.startswith("butter_cluster_replica_pid{"):
-                found[key.split('replica="')[1].split('"')[0]] = int(value)
-        return found
-
-
-def read_cluster(root: str) -> dict[str, float]:
-    return read_metrics(root, timeout=30)
 
 
 @pytest.fixture(scope="module")
