@@ -241,3 +241,45 @@ def save_json(path: Path | None, rows: Sequence[Row], details: dict[str, Any]) -
 
 def median(values: Sequence[float]) -> float | None:
     return serve_bench.percentile(list(values), 50)
+
+
+# ----------------------------------------------------------------------------- client
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamedChat:
+    """What one streamed chat completion sent: its text, when its first content came,
+    the last ``usage`` (None if the stream ended without one, e.g. on an error event) and
+    the last ``timings`` (llama-server's draft counts; empty elsewhere)."""
+
+    text: str
+    ttft: float | None  # seconds from the request to the first non-empty content delta
+    elapsed: float  # seconds from the request to the end of the stream
+    usage: dict[str, Any] | None
+    timings: dict[str, Any]
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamedChat:
+    """POST ``body`` (with ``"stream": true``) to ``url``, a chat-completions URL, and read
+    its SSE stream line by line; an HTTP error status raises ``httpx.HTTPStatusError``."""
+    started = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] = {}
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+            for choice in chunk.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    text.append(piece)
+    return StreamedChat(text="".join(text), ttft=ttft, elapsed=time.perf_counter() - started,
+                        usage=usage, timings=timings)

@@ -23,7 +23,6 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import common
 import httpx
@@ -54,27 +53,6 @@ def workload_messages(workload: str, lane: int, data: dict) -> list[dict]:
     return messages
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict[str, Any]:
-    """Stream one chat completion; the TTFT, tokens and the server's timings."""
-    started = time.perf_counter()
-    first = None
-    usage: dict = {}
-    timings: dict = {}
-    async with client.stream("POST", f"{url}/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and any((c.get("delta") or {}).get("content")
-                                     for c in chunk.get("choices") or ()):
-                first = time.perf_counter() - started
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings
-    return {"ttft": first, "tokens": usage.get("completion_tokens", 0), "usage": usage,
-            "timings": timings}
-
-
 async def wave(url: str, workload: str, lanes: int, data: dict, max_tokens: int) -> dict:
     limits = httpx.Limits(max_connections=lanes + 1)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
@@ -82,12 +60,13 @@ async def wave(url: str, workload: str, lanes: int, data: dict, max_tokens: int)
                    "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                    "stream_options": {"include_usage": True}} for lane in range(lanes)]
         started = time.perf_counter()
-        results = await asyncio.gather(*(one(client, url, body) for body in bodies))
+        results = await asyncio.gather(
+            *(common.stream_chat(client, f"{url}/chat/completions", body) for body in bodies))
         wall = time.perf_counter() - started
-    tokens = sum(r["tokens"] for r in results)
-    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
-    drafted = sum(r["timings"].get("draft_n", 0) for r in results)
-    accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in results)
+    tokens = sum((r.usage or {}).get("completion_tokens", 0) for r in results)
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    drafted = sum(r.timings.get("draft_n", 0) for r in results)
+    accepted = sum(r.timings.get("draft_n_accepted", 0) for r in results)
     return {"lanes": lanes, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "ttft_p50": common.median(ttfts), "peer_drafted": drafted,
             "peer_accepted": accepted}
