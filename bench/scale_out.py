@@ -7,17 +7,25 @@ The same request sequence (seeded) runs against:
 
 1. ``single``: one ``butter serve`` process, ``--threads 2 --parallel 8`` (and
    ``--max-context 16384``: 2,048 cells per session, as each replica's four get);
-2. ``affinity``: ``butter serve --replicas 2 --threads 1 --parallel 4`` (prefix router);
+2. ``affinity``: ``butter serve --replicas 2 --threads 1 --parallel 4`` (prefix router;
+   each replica's context is SmolLM2's trained 8,192: 2,048 cells per session);
 3. ``pow2``: the same under ``--ray-router pow2`` (Serve's power-of-two choices);
-4. ``ray1`` vs ``single1``: one replica against one process (one thread each), both up
-   at once, the same short request to each in turn: the TTFT Ray adds (paired median).
+4. ``sglang``: SGLang's gateway (``smg launch --policy cache_aware``, from the
+   ``sglang-router`` package: ``pip install --group bench``) in front of two plain
+   ``butter serve --threads 1 --parallel 4 --max-context 8192`` processes;
+5. ``overhead``: ``ray1`` (one replica) against ``single1`` (one process), one thread
+   each, plus ``single1'``, a second such process: all three up at once, the same short
+   request to each in turn (the order rotating), ``--pairs`` times. The TTFT Ray adds is
+   the paired median of ray1 - single1; single1' - single1 is its A/A: the noise alone.
 
-SGLang's gateway (``sglang-router``, cache_aware) in front of two plain processes is not
-run here (see the README's scale-out figures for why).
+``--same affinity`` (any setups, comma-separated) runs that setup again at the end of the
+run, as ``affinity'``, and reports the second run's figures over the first's: how far
+the machine's noise alone moves each figure (an A/A run).
 
 Reported per setup: aggregate completion tokens/s, the prefix-hit rate (cached / prompt
-tokens, from each answer's usage), TTFT p50/p99 (client side, to the first content
-chunk), and the spread of requests over the replicas (from ``/metrics``).
+tokens, from each answer's usage) and its ratio to the single process's, TTFT p50/p99
+(client side, to the first content chunk), and the spread of requests over the replicas
+(from ``/metrics``: the cluster's per-replica counters, or each plain process's own).
 
     .venv/bin/python bench/scale_out.py [--requests 48] [--concurrency 4] [--json out.json]
 """
@@ -30,13 +38,14 @@ import contextlib
 import json
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import common
 import httpx
 
 TENANTS = 8
@@ -60,64 +69,84 @@ def zipf_tenants(count: int, seed: int, s: float = 1.1) -> list[int]:
     return rng.choices(range(TENANTS), weights=weights, k=count)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@contextlib.contextmanager
+def started(command: list[str], log: Path, ready: Callable[[], bool]) -> Iterator[None]:
+    """Run ``command`` until the block ends, once ``ready()`` says it serves; SIGINT then
+    (butter stops its Ray cluster on it), SIGKILL if it lingers past 90 s."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command} exited; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if ready():
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{command} never became ready; see {log}")
+            time.sleep(0.5)
+        yield
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @contextlib.contextmanager
-def server(*flags: str, log: Path):
-    port = free_port()
-    command = [sys.executable, "-m", "butter", "serve", "--model", "smollm2",
-               "--port", str(port), *flags]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+def server(*flags: str, log: Path) -> Iterator[str]:
+    """``butter serve`` with ``flags`` on a free port; yields its root URL once healthy."""
+    root = f"http://127.0.0.1:{common.free_port()}"
+    command = [sys.executable, "-m", "butter", "serve", "--model", common.MODEL_ID,
+               "--port", root.rsplit(":", 1)[1], *flags]
+    with started(command, log, lambda: httpx.get(f"{root}/health", timeout=2).is_success):
+        yield root
+
+
+def smg_command(port: int, workers: list[str]) -> list[str]:
+    """SGLang's gateway (``sglang-router``'s ``smg``) with its cache_aware policy at its
+    defaults, on loopback only (its own and its Prometheus port default to 0.0.0.0)."""
+    smg = Path(sys.executable).parent / "smg"
+    if not smg.exists():
+        raise SystemExit(f"{smg} is missing: pip install --group bench (sglang-router)")
+    return [str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *workers, "--policy", "cache_aware",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(common.free_port())]
+
+
+@contextlib.contextmanager
+def sglang_gateway(logs: Path, label: str) -> Iterator[tuple[str, list[str]]]:
+    """Two plain ``butter serve`` processes, each as one replica of ``--replicas 2``
+    (one thread, four sessions, the trained 8,192-token context), behind SGLang's
+    gateway; yields the gateway's root URL and the two processes' root URLs."""
+    flags = ("--threads", "1", "--parallel", "4", "--max-context", "8192")
+    with server(*flags, log=logs / f"{label}-process0.log") as first, \
+            server(*flags, log=logs / f"{label}-process1.log") as second:
+        workers = [first, second]
+        port = common.free_port()
         root = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{command} exited; see {log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{root}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{command} never became healthy; see {log}")
-                time.sleep(0.5)
-            yield root
-        finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(90)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+
+        def ready() -> bool:
+            # The gateway answers /health at once and registers its workers after.
+            listed = httpx.get(f"{root}/workers", timeout=2)
+            return listed.is_success and len(listed.json().get("workers", ())) == 2
+
+        with started(smg_command(port, workers), logs / f"{label}-gateway.log", ready):
+            yield root, workers
 
 
 async def one_request(client: httpx.AsyncClient, root: str, messages: list[dict],
                       max_tokens: int) -> dict:
-    body = {"model": "smollm2", "messages": messages, "max_tokens": max_tokens,
+    body = {"model": common.MODEL_ID, "messages": messages, "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, text, usage = None, [], None
-    async with client.stream("POST", f"{root}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    text.append(piece)
-    return {"ttft": ttft or (time.perf_counter() - start), "text": "".join(text),
-            "usage": usage, "elapsed": time.perf_counter() - start}
+    answer = await common.stream_chat(client, f"{root}/v1/chat/completions", body)
+    return {"ttft": answer.ttft if answer.ttft is not None else answer.elapsed,
+            "text": answer.text, "usage": answer.usage, "elapsed": answer.elapsed}
 
 
 async def workload(root: str, *, requests: int, concurrency: int, seed: int,
@@ -171,7 +200,7 @@ async def workload(root: str, *, requests: int, concurrency: int, seed: int,
 
 
 def spread(root: str) -> dict[str, float]:
-    """Requests per replica, from the cluster's /metrics (one process: itself)."""
+    """Requests per replica, from the cluster's /metrics."""
     text = httpx.get(f"{root}/metrics", timeout=60).text
     counts = {}
     for line in text.splitlines():
@@ -181,17 +210,98 @@ def spread(root: str) -> dict[str, float]:
     return counts
 
 
-async def paired_ttft(first: str, second: str, count: int) -> list[tuple[float, float]]:
-    """TTFT of the same short request on each server in turn, ``count`` pairs (the first
-    two pairs warm up and are dropped)."""
-    pairs = []
+def requests_served(root: str) -> float:
+    """Requests one plain process admitted, from its own /metrics."""
+    text = httpx.get(f"{root}/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("butter_requests_total{"))
+
+
+async def rotated_ttft(roots: list[str], count: int) -> list[list[float]]:
+    """TTFT of the same short request on each server in turn, ``count`` rounds; the
+    order rotates each round so that no server always goes first. Rows follow ``roots``;
+    the first two rounds warm up and are dropped."""
+    rounds = []
     async with httpx.AsyncClient(timeout=120) as client:
         for index in range(count):
             messages = [{"role": "user", "content": f"Say hello number {index}."}]
-            a = await one_request(client, first, messages, 4)
-            b = await one_request(client, second, messages, 4)
-            pairs.append((a["ttft"], b["ttft"]))
-    return pairs[2:]
+            ttft = {}
+            shift = index % len(roots)
+            for root in roots[shift:] + roots[:shift]:
+                ttft[root] = (await one_request(client, root, messages, 4))["ttft"]
+            rounds.append([ttft[root] for root in roots])
+    return rounds[2:]
+
+
+def overhead(pairs: int, logs: Path) -> dict[str, float]:
+    """The TTFT Ray adds at one replica, and the same paired figure between two identical
+    plain processes (its A/A: what the noise alone makes of such a difference)."""
+    # All three up at once, requests one at a time: each pair of answers meets the same
+    # background load (this machine is shared), so the paired difference is Ray's path
+    # (proxy, ingress, handle, stream relay) and little else.
+    with server("--threads", "1", log=logs / "single1.log") as alone, \
+            server("--threads", "1", log=logs / "single1-again.log") as again, \
+            server("--replicas", "1", "--threads", "1", log=logs / "ray1.log") as ray1:
+        rounds = asyncio.run(rotated_ttft([alone, ray1, again], pairs + 2))
+
+    def ms(values) -> float:
+        return round(1000 * statistics.median(values), 1)
+
+    return {"pairs": len(rounds),
+            "single1_p50_ms": ms(r[0] for r in rounds),
+            "ray1_p50_ms": ms(r[1] for r in rounds),
+            "single1_again_p50_ms": ms(r[2] for r in rounds),
+            "ray_adds_p50_ms": ms(r[1] - r[0] for r in rounds),
+            "aa_single1_again_minus_single1_p50_ms": ms(r[2] - r[0] for r in rounds)}
+
+
+SETUPS = {
+    # 2,048 KV cells per session everywhere: a system prompt and a few turns.
+    "single": ("--threads", "2", "--parallel", "8", "--max-context", "16384"),
+    "affinity": ("--replicas", "2", "--threads", "1", "--parallel", "4"),
+    "pow2": ("--replicas", "2", "--threads", "1", "--parallel", "4", "--ray-router", "pow2"),
+    "sglang": None,  # sglang_gateway(): two plain processes behind SGLang's gateway
+}
+COMPARED = ("tok/s", "completion_tok_s"), ("hit rate", "prefix_hit_rate"), \
+    ("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms")
+
+
+def run_setup(name: str, args: argparse.Namespace, logs: Path) -> dict:
+    """One pass of the workload through setup ``name`` (``name'`` is its A/A repeat)."""
+    setup = name.rstrip("'")
+    label = setup + ("-again" if name.endswith("'") else "")  # a log file's name
+
+    def measure(root: str) -> dict:
+        return asyncio.run(workload(root, requests=args.requests,
+                                    concurrency=args.concurrency, seed=args.seed,
+                                    max_tokens=args.max_tokens))
+
+    if setup == "sglang":
+        with sglang_gateway(logs, label) as (root, workers):
+            result = measure(root)
+            result["requests_per_replica"] = {f"process{i}": requests_served(worker)
+                                              for i, worker in enumerate(workers)}
+        return result
+    flags = SETUPS[setup]
+    with server(*flags, log=logs / f"{label}.log") as root:
+        result = measure(root)
+        if "--replicas" in flags:
+            result["requests_per_replica"] = spread(root)
+    return result
+
+
+def ratios(report: dict, same: list[str]) -> None:
+    """Each setup's hit rate over the single process's, and each A/A pair's figures
+    (second run over first); written into ``report``."""
+    base = report.get("single", {}).get("prefix_hit_rate")
+    for name, result in report.items():
+        if base and name != "single" and "prefix_hit_rate" in result:
+            result["hit_rate_vs_single"] = round(result["prefix_hit_rate"] / base, 3)
+    for name in same:
+        first, second = report.get(name), report.get(f"{name}'")
+        if first and second:
+            report[f"aa_{name}"] = {label: round(second[key] / first[key], 3)
+                                    for label, key in COMPARED if first[key]}
 
 
 def main() -> int:
@@ -200,50 +310,35 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--only", default="single,affinity,pow2,overhead")
+    parser.add_argument("--only", default="single,affinity,pow2,sglang,overhead",
+                        help="setups to run, comma-separated, in this order: "
+                             "single, affinity, pow2, sglang, overhead")
+    parser.add_argument("--same", default="", metavar="SETUPS",
+                        help="run these setups (comma-separated) again at the end of the "
+                             "run and report the second run over the first (A/A)")
+    parser.add_argument("--pairs", type=int, default=22,
+                        help="overhead: measured rounds, after two warm-up rounds")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    wanted = [name for name in args.only.split(",") if name]
+    same = [name for name in args.same.split(",") if name]
+    unknown = set(wanted + same) - {*SETUPS, "overhead"} | set(same) - set(SETUPS)
+    if unknown:
+        parser.error(f"unknown setups: {', '.join(sorted(unknown))}")
+    if "sglang" in wanted + same:
+        smg_command(0, [])  # fails now, not after an hour of other setups, if smg is missing
     logs = Path("/tmp/butter-scale-out")
     logs.mkdir(exist_ok=True)
-    setups = {
-        # 2,048 KV cells per session everywhere: a system prompt and a few turns.
-        "single": ("--threads", "2", "--parallel", "8", "--max-context", "16384"),
-        "affinity": ("--replicas", "2", "--threads", "1", "--parallel", "4"),
-        "pow2": ("--replicas", "2", "--threads", "1", "--parallel", "4",
-                 "--ray-router", "pow2"),
-    }
-    wanted = args.only.split(",")
     report: dict[str, dict] = {}
-    for name, flags in setups.items():
-        if name not in wanted:
-            continue
-        with server(*flags, log=logs / f"{name}.log") as root:
-            result = asyncio.run(workload(root, requests=args.requests,
-                                          concurrency=args.concurrency, seed=args.seed,
-                                          max_tokens=args.max_tokens))
-            if "--replicas" in flags:
-                result["requests_per_replica"] = spread(root)
-        report[name] = result
-        print(name, json.dumps(result), flush=True)
+    # A setup named by --same runs (first) even where --only leaves it out.
+    runs = [name for name in SETUPS if name in wanted + same] + [f"{name}'" for name in same]
+    for name in runs:
+        report[name] = run_setup(name, args, logs)
+        print(name, json.dumps(report[name]), flush=True)
     if "overhead" in wanted:
-        # Both up at once, requests alternating one at a time: each pair of answers meets
-        # the same background load (this machine is shared), so the paired difference is
-        # Ray's path (proxy, ingress, handle, stream relay) and little else.
-        with server("--threads", "1", log=logs / "single1.log") as alone, \
-                server("--replicas", "1", "--threads", "1", log=logs / "ray1.log") as ray1:
-            pairs = asyncio.run(paired_ttft(alone, ray1, 24))
-        differences = sorted(b - a for a, b in pairs)
-        overhead = {"single1_p50_ms": round(1000 * statistics.median(a for a, _ in pairs), 1),
-                    "ray1_p50_ms": round(1000 * statistics.median(b for _, b in pairs), 1),
-                    "ray_adds_p50_ms": round(1000 * statistics.median(differences), 1)}
-        report["overhead_ttft"] = overhead
-        print("overhead", json.dumps(overhead), flush=True)
-    if "single" in report:
-        base = report["single"]["prefix_hit_rate"]
-        for name in ("affinity", "pow2"):
-            if name in report and base:
-                report[name]["hit_rate_vs_single"] = round(
-                    report[name]["prefix_hit_rate"] / base, 3)
+        report["overhead_ttft"] = overhead(args.pairs, logs)
+        print("overhead", json.dumps(report["overhead_ttft"]), flush=True)
+    ratios(report, same)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
