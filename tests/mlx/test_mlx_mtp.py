@@ -9,6 +9,7 @@ does, and the accepted path (a two-token pass that stays) is checked as well.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -111,26 +112,46 @@ def test_a_draft_every_step_keeps_the_tokens_and_some_are_accepted(copying_folde
 def mtp_server(tiny_qwen35_mtp_folder):
     from conftest import ServerProcess
 
-    server = ServerProcess("--backend", "mlx", "--speculation", "mtp",
+    server = ServerProcess("--backend", "mlx", "--speculation", "mtp", "--parallel", "2",
                            model=str(tiny_qwen35_mtp_folder), timeout=180)
     yield server
     server.stop()
 
 
-def test_the_server_counts_mtp_drafts(mtp_server):
-    model = httpx.get(f"{mtp_server.base_url}/models").json()["data"][0]["id"]
-    body = {"model": model, "messages": PROMPT, "max_tokens": 40, "temperature": 0,
-            "ignore_eos": True}
-    url = f"{mtp_server.base_url}/chat/completions"
-    on = httpx.post(url, json=body, timeout=300).json()
-    off = httpx.post(url, json={**body, "speculation": False}, timeout=300).json()
-    assert "choices" in on, on
-    assert on["choices"][0]["message"] == off["choices"][0]["message"]
-    details = on["usage"]["completion_tokens_details"]
-    drafted = details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
-    assert drafted > 0
-    assert off["usage"]["completion_tokens_details"]["rejected_prediction_tokens"] == 0
-    assert mtp_server.metrics()["butter_speculative_drafted_tokens_total"] == drafted
+async def _scenario(url: str, sampling: dict) -> list[dict]:
+    """Plain, then drafted: alone, beside another request, and asked again (SPEC 5)."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        model = (await client.get(f"{url}/models")).json()["data"][0]["id"]
+
+        async def ask(messages, speculation=True, **extra):
+            body = {"model": model, "messages": messages, "max_tokens": 40,
+                    "ignore_eos": True, "speculation": speculation, **sampling, **extra}
+            response = await client.post(f"{url}/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        plain = await ask(PROMPT, speculation=False)
+        alone = await ask(PROMPT)
+        fused, _ = await asyncio.gather(
+            ask(PROMPT), ask([{"role": "user", "content": "Count to ten."}], seed=3))
+        again = await ask(PROMPT)
+    return [plain, alone, fused, again]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_served_mtp_answers_alone_fused_and_again_are_plain_decoding_s(mtp_server, mode):
+    before = mtp_server.metrics().get("butter_speculative_drafted_tokens_total", 0)
+    plain, *drafted = asyncio.run(_scenario(mtp_server.base_url, MODES[mode]))
+    message = plain["choices"][0]["message"]
+    assert all(answer["choices"][0]["message"] == message for answer in drafted)
+    assert plain["usage"]["completion_tokens_details"]["rejected_prediction_tokens"] == 0
+    counts = [answer["usage"]["completion_tokens_details"] for answer in drafted]
+    mine = sum(c["accepted_prediction_tokens"] + c["rejected_prediction_tokens"]
+               for c in counts)
+    assert all(c["accepted_prediction_tokens"] + c["rejected_prediction_tokens"] > 0
+               for c in counts)
+    # The fused neighbour drafts too: the counter moved at least by these answers' drafts.
+    assert mtp_server.metrics()["butter_speculative_drafted_tokens_total"] - before >= mine
 
 
 def test_mtp_without_a_head_is_a_usage_error(tiny_qwen35_folder):
