@@ -22,6 +22,7 @@ last draw, and returns the head's most likely next token: one draft per verify.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from butter.errors import ModelLoadError
+log = logging.getLogger("butter.mlx")
 
 PREFIX = "mtp."
 # The head's 1-D norm weights: Qwen3.5 stores RMSNorm weights as w - 1 (zero-centred).
@@ -108,8 +109,9 @@ def _head_name(name: str) -> str | None:
 
 def load_head(folder: Path, network: nn.Module, config: dict[str, Any],
               model_id: str) -> MTPHead | None:
-    """The MTP head of a Qwen3.5 folder, or None when its config names none or the
-    folder holds no ``mtp.*`` tensors (an mlx-lm conversion has dropped them)."""
+    """The MTP head of a Qwen3.5 folder, or None when its config names none, the folder
+    holds no ``mtp.*`` tensors (an mlx-lm conversion has dropped them) or they are not a
+    dense head's (logged: the model itself serves as before, without drafts)."""
     layers = mtp_layers(config)
     text = _text_model(network)
     if not layers or text is None:
@@ -118,16 +120,17 @@ def load_head(folder: Path, network: nn.Module, config: dict[str, Any],
     if not tensors:
         return None
     if getattr(text.args, "num_experts", 0):
-        raise ModelLoadError(model_id, "its MTP head is a mixture of experts; butter runs "
-                             "dense Qwen3.5 MTP heads only")
+        log.warning("%s: its MTP head is a mixture of experts; butter drafts with dense "
+                    "Qwen3.5 MTP heads only", model_id)
+        return None
     head = MTPHead(text.args, layers)
     weights = {name: value + 1.0 if name.endswith(CENTRED_NORMS) and value.ndim == 1
                else value for name, value in tensors.items()}
     try:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise ModelLoadError(model_id, f"its mtp.* tensors do not fit Qwen3.5's MTP head "
-                             f"({exc})") from None
+        log.warning("%s: its mtp.* tensors do not fit Qwen3.5's MTP head (%s)", model_id, exc)
+        return None
     head.set_dtype(text.model.embed_tokens.weight.dtype)
     mx.eval(head.parameters())
     return head

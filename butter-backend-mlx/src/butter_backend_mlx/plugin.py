@@ -138,6 +138,8 @@ def _no_draft_head(resolved: ResolvedModel, config: dict) -> str | None:
         return f"the MLX back end runs Qwen3.5's MTP head only, not {config['model_type']}'s"
     if not text.get("mtp_num_hidden_layers"):
         return "its config.json names no MTP layers (mtp_num_hidden_layers)"
+    if text.get("num_experts"):
+        return "its MTP head is a mixture of experts; the MLX back end runs dense ones only"
     if not any(name.startswith(("mtp.", "model.mtp.")) for name in _tensor_names(resolved.path)):
         return "the checkpoint holds no mtp.* weights (an mlx-lm conversion drops them)"
     return None
