@@ -3,6 +3,10 @@ gauge, one registry per engine, read back with prometheus_client's own parser.""
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import prometheus_client
 import pytest
 from fakes.runtime import FakeModel
@@ -99,6 +103,45 @@ def test_a_request_cancelled_while_decoding_has_a_first_token_but_no_e2e(engine)
     assert metrics["butter_time_to_first_token_seconds_count"] == 1
     assert metrics["butter_request_queue_time_seconds_count"] == 1
     assert metrics["butter_e2e_request_latency_seconds_count"] == 0
+
+
+def test_a_scrape_never_mixes_two_engine_iterations(engine):
+    """Every scrape taken under load shows one engine iteration: as many busy sessions as
+    active requests, and reserved cells only beside an active request. Read field by
+    field while the engine wrote them one by one, a scrape showed 0 active requests beside
+    2 busy sessions and their reserved cells: what a leaked request would look like."""
+    torn, scrapes, done = [], [0], threading.Event()
+
+    def scraper() -> None:
+        while not done.is_set():
+            metrics = scrape(engine)
+            scrapes[0] += 1
+            active, busy, reserved = (metrics["butter_active_requests"],
+                                      metrics["butter_sessions_busy"],
+                                      metrics["butter_kv_reserved_cells"])
+            if busy != active or (active == 0) != (reserved == 0):
+                torn.append((active, busy, reserved))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes: tears show
+    thread = threading.Thread(target=scraper)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            channels = [SyncChannel() for _ in range(4)]  # two run, two wait
+            for index, channel in enumerate(channels):
+                engine.submit(Request([index, 1, 2], GenerationParams(max_tokens=1 + index % 3),
+                                      channel))
+            for channel in channels:
+                while not isinstance(channel.get(timeout=10), (Finished, Failed)):
+                    pass
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert scrapes[0] > 50
+    assert not torn, f"{len(torn)} of {scrapes[0]} scrapes mixed two iterations: {torn[:5]}"
 
 
 def test_engine_alive_is_0_once_the_engine_stops(engine):

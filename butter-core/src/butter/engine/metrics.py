@@ -1,7 +1,11 @@
 """Counters, gauges and latency histograms the engine keeps, exposed for Prometheus.
 
-Only the engine thread writes. Counters and gauges are plain ints that a collector
-reads at scrape time under the GIL, so a scrape may be one step stale but never torn.
+Only the engine thread writes. Counters are plain ints that a collector reads at scrape
+time under the GIL. The gauges of what the engine holds (requests, sessions, KV) are one
+frozen :class:`Gauges` record the engine replaces once per iteration and a scrape reads
+once: read field by field while the engine wrote them one by one, a scrape could show
+two iterations at once (0 active requests beside 2 busy sessions and their reserved
+cells, the state a request leak would leave). A scrape may be one step stale, never torn.
 The latency histograms are ``prometheus_client`` histograms (each guards its own
 buckets) in a registry of this engine's own, never the process-wide default one: the
 engines of a swap, or of a test session, never share or collide on a series.
@@ -53,6 +57,19 @@ class Latency:
             buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
 
 
+@attrs.frozen
+class Gauges:
+    """What the engine holds at the end of one iteration, taken together."""
+
+    active_requests: int = 0  # requests holding a session
+    queued_requests: int = 0
+    sessions_busy: int = 0  # sessions leased to a request: always active_requests
+    kv_reserved_cells: int = 0  # 0 whenever no request is active
+    kv_used_cells: int = 0
+    kv_reserved_bytes: int = 0
+    kv_used_bytes: int = 0
+
+
 @attrs.define
 class Metrics:
     # Counters.
@@ -70,24 +87,40 @@ class Metrics:
     draft_tokens: int = 0  # drafted tokens verified
     draft_accepted_tokens: int = 0  # drafted tokens equal to what decoding drew
     cancellations: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(CANCEL_PHASES, 0))
-    # Gauges.
-    active_requests: int = 0
-    queued_requests: int = 0
+    # Gauges: what the engine holds, replaced whole once per iteration (never field by field).
+    gauges: Gauges = attrs.field(factory=Gauges)
+    # Gauges set once the runtime exists.
     sessions_total: int = 0
-    sessions_busy: int = 0
     kv_capacity_cells: int = 0
-    kv_reserved_cells: int = 0
-    kv_used_cells: int = 0
     kv_budget_bytes: int = 0
     kv_token_bytes: int = 0
-    kv_reserved_bytes: int = 0
-    kv_used_bytes: int = 0
     engine_alive: int = 0  # 1 from a started runtime until the engine thread ends
     # Histograms.
     registry: CollectorRegistry = attrs.field(factory=CollectorRegistry, eq=False, repr=False)
     latency: Latency = attrs.field(
         default=attrs.Factory(lambda self: Latency(self.registry), takes_self=True),
         eq=False, repr=False)
+
+    # One field of the current gauges each; read ``gauges`` once to take several together.
+    @property
+    def active_requests(self) -> int:
+        return self.gauges.active_requests
+
+    @property
+    def queued_requests(self) -> int:
+        return self.gauges.queued_requests
+
+    @property
+    def sessions_busy(self) -> int:
+        return self.gauges.sessions_busy
+
+    @property
+    def kv_reserved_cells(self) -> int:
+        return self.gauges.kv_reserved_cells
+
+    @property
+    def kv_used_cells(self) -> int:
+        return self.gauges.kv_used_cells
 
     def render(self, *, model_id: str, fused: bool) -> str:
         """The Prometheus text exposition of every series, labelled ``model=model_id``."""
@@ -104,6 +137,7 @@ class _Exposition(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
+        g = m.gauges  # one record: every gauge below is of the same engine iteration
         yield self._counter("butter_requests_total", "Requests admitted by the engine.",
                             m.requests_total)
         yield self._counter("butter_requests_rejected_total", "Requests refused at admission.",
@@ -111,27 +145,27 @@ class _Exposition(Collector):
         yield self._counter("butter_requests_failed_total", "Requests that failed while running.",
                             m.requests_failed)
         yield self._gauge("butter_active_requests", "Requests holding a session.",
-                          m.active_requests)
+                          g.active_requests)
         yield self._gauge("butter_queued_requests", "Requests waiting in the FIFO.",
-                          m.queued_requests)
+                          g.queued_requests)
         yield self._gauge("butter_sessions", "Sessions in the pool.", m.sessions_total)
-        yield self._gauge("butter_sessions_busy", "Sessions leased to a request.", m.sessions_busy)
+        yield self._gauge("butter_sessions_busy", "Sessions leased to a request.", g.sessions_busy)
         yield self._gauge("butter_kv_capacity_cells", "KV cells in the shared cache.",
                           m.kv_capacity_cells)
         yield self._gauge("butter_kv_reserved_cells", "KV cells reserved by active requests.",
-                          m.kv_reserved_cells)
+                          g.kv_reserved_cells)
         yield self._gauge("butter_kv_used_cells",
                           "KV cells holding tokens (active and idle sessions; a shared prefix "
-                          "counts once per session that holds it).", m.kv_used_cells)
+                          "counts once per session that holds it).", g.kv_used_cells)
         yield self._gauge("butter_kv_budget_bytes", "KV memory every session shares, in bytes.",
                           m.kv_budget_bytes)
         yield self._gauge("butter_kv_token_bytes",
                           "Bytes one cached token costs in the KV codec in use.", m.kv_token_bytes)
         yield self._gauge("butter_kv_reserved_bytes",
                           "KV bytes reserved by active requests (a window caps each).",
-                          m.kv_reserved_bytes)
+                          g.kv_reserved_bytes)
         yield self._gauge("butter_kv_used_bytes", "KV bytes holding tokens, as the codec "
-                          "stores them (a window caps each session).", m.kv_used_bytes)
+                          "stores them (a window caps each session).", g.kv_used_bytes)
         yield self._counter("butter_prompt_tokens_total", "Prompt tokens of admitted requests.",
                             m.prompt_tokens)
         yield self._counter("butter_cached_tokens_total",

@@ -36,7 +36,7 @@ from butter.backend import (
 )
 from butter.engine.admission import Admission
 from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta
-from butter.engine.metrics import Metrics
+from butter.engine.metrics import Gauges, Metrics
 from butter.engine.planner import Planner
 from butter.engine.records import Phase, Request, Session
 from butter.engine.speculation import Drafter
@@ -530,16 +530,18 @@ class Engine:
         )
 
     def _update_gauges(self) -> None:
-        metrics = self.metrics
-        metrics.active_requests = len(self._active)
-        metrics.queued_requests = len(self._waiting)
-        metrics.sessions_busy = sum(1 for s in self._sessions if not s.idle)
-        metrics.kv_reserved_cells = sum(r.reservation for r in self._active)
-        metrics.kv_used_cells = sum(len(s.tokens) for s in self._sessions)
-        if self._admission is not None:  # bytes as the codec stores them, windows capped
-            cost = self._admission.kv.cost
-            metrics.kv_reserved_bytes = sum(cost(r.reservation) for r in self._active)
-            metrics.kv_used_bytes = sum(cost(len(s.tokens)) for s in self._sessions)
+        # One new record, published by one assignment: a scrape on another thread reads
+        # either the last iteration's gauges or these, never some of each.
+        bytes_of = self._admission.kv.cost if self._admission is not None else lambda n: 0
+        self.metrics.gauges = Gauges(
+            active_requests=len(self._active),
+            queued_requests=len(self._waiting),
+            sessions_busy=sum(1 for s in self._sessions if not s.idle),
+            kv_reserved_cells=sum(r.reservation for r in self._active),
+            kv_used_cells=sum(len(s.tokens) for s in self._sessions),
+            # bytes as the codec stores them, windows capped
+            kv_reserved_bytes=sum(bytes_of(r.reservation) for r in self._active),
+            kv_used_bytes=sum(bytes_of(len(s.tokens)) for s in self._sessions))
 
     def _shutdown(self, error: ButterError) -> None:
         for request in list(self._waiting) + list(self._active):

@@ -105,16 +105,17 @@ def replica_stats(backend: Any, replica: str) -> dict[str, Any]:
     """What a replica reports of itself: load for the router, counters for /metrics."""
     engine = backend.current.engine
     metrics = engine.metrics
+    gauges = metrics.gauges  # once: all of one engine iteration
     capacity = metrics.kv_capacity_cells or engine.capacity or 1
     return {
         "replica": replica,
         "pid": os.getpid(),
         "healthy": backend.healthy,
-        "queue": metrics.active_requests + metrics.queued_requests,
-        "active": metrics.active_requests,
-        "queued": metrics.queued_requests,
-        "sessions_busy": metrics.sessions_busy,
-        "free_kv": max(0.0, 1.0 - metrics.kv_reserved_cells / capacity),
+        "queue": gauges.active_requests + gauges.queued_requests,
+        "active": gauges.active_requests,
+        "queued": gauges.queued_requests,
+        "sessions_busy": gauges.sessions_busy,
+        "free_kv": max(0.0, 1.0 - gauges.kv_reserved_cells / capacity),
         "requests": metrics.requests_total,
         "prompt_tokens": metrics.prompt_tokens,
         "cached_tokens": metrics.cached_tokens,
