@@ -109,3 +109,28 @@ def test_more_replica_cpus_than_cores_is_refused_before_starting_ray():
     done = butter_serve("--replicas", str(cores + 1), "--threads", "1")
     assert done.returncode == 2
     assert f"each need {cores + 1} CPUs; this machine has {cores}" in done.stderr
+
+
+def test_several_models_without_replicas_is_a_usage_error_naming_the_fix():
+    done = butter_serve("--model", "smollm2")
+    assert done.returncode == 2
+    assert "--model: 2 models given; one process serves one. Serve several behind one " \
+        "address with --replicas N" in done.stderr
+
+
+def test_alias_and_one_id_twice_are_usage_errors_with_several_models():
+    done = butter_serve("--model", "other", "--replicas", "1", "--alias", "mine")
+    assert done.returncode == 2 and "--alias: names the one --model" in done.stderr
+    done = butter_serve("--model", "smollm2", "--replicas", "1", "--threads", "1")
+    assert done.returncode == 2
+    assert "'smollm2' is served as 'smollm2', which an earlier --model already is" \
+        in done.stderr
+
+
+def test_every_model_s_replicas_count_against_the_cores(tiny_qwen35_gguf):
+    cores = os.cpu_count() or 1
+    done = butter_serve("--model", str(tiny_qwen35_gguf), "--replicas", str(cores),
+                        "--threads", "1")
+    assert done.returncode == 2
+    assert (f"2 models × {cores} replicas of 1 CPU(s) each need {2 * cores} CPUs; this "
+            f"machine has {cores}") in done.stderr
