@@ -27,7 +27,8 @@ tokens, from each answer's usage) and its ratio to the single process's, TTFT p5
 (client side, to the first content chunk), and the spread of requests over the replicas
 (from ``/metrics``: the cluster's per-replica counters, or each plain process's own).
 
-    .venv/bin/python bench/scale_out.py [--requests 48] [--concurrency 4] [--json out.json]
+    .venv/bin/python bench/scale_out.py [--requests 48] [--concurrency 4] [--only SETUPS]
+        [--same affinity,sglang] [--pairs 22] [--json out.json]
 """
 
 from __future__ import annotations
@@ -291,12 +292,16 @@ def run_setup(name: str, args: argparse.Namespace, logs: Path) -> dict:
 
 
 def ratios(report: dict, same: list[str]) -> None:
-    """Each setup's hit rate over the single process's, and each A/A pair's figures
-    (second run over first); written into ``report``."""
+    """Each setup's hit rate over the single process's, its tokens/s over power-of-two
+    routing's (the issue's two targets), and each A/A pair's figures (second run over
+    first); written into ``report``."""
     base = report.get("single", {}).get("prefix_hit_rate")
+    pow2 = report.get("pow2", {}).get("completion_tok_s")
     for name, result in report.items():
         if base and name != "single" and "prefix_hit_rate" in result:
             result["hit_rate_vs_single"] = round(result["prefix_hit_rate"] / base, 3)
+        if pow2 and name not in ("single", "pow2") and "completion_tok_s" in result:
+            result["tok_s_vs_pow2"] = round(result["completion_tok_s"] / pow2, 3)
     for name in same:
         first, second = report.get(name), report.get(f"{name}'")
         if first and second:
@@ -335,14 +340,19 @@ def main() -> int:
     for name in runs:
         report[name] = run_setup(name, args, logs)
         print(name, json.dumps(report[name]), flush=True)
+        save(report, same, args.json)  # after each setup: a late failure keeps what ran
     if "overhead" in wanted:
         report["overhead_ttft"] = overhead(args.pairs, logs)
         print("overhead", json.dumps(report["overhead_ttft"]), flush=True)
-    ratios(report, same)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    save(report, same, args.json)
     print(json.dumps(report, indent=2))
     return 0
+
+
+def save(report: dict, same: list[str], path: Path | None) -> None:
+    ratios(report, same)
+    if path:
+        path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
