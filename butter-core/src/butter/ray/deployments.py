@@ -96,7 +96,7 @@ class ButterReplica:
 @serve.deployment(name=INGRESS)
 @serve.ingress()
 class ButterIngress:
-    """The HTTP surface: butter's app over the replicas' handle."""
+    """The HTTP surface: butter's app over each model's replica deployment."""
 
     async def __init__(self, models: list[DeploymentHandle], args: argparse.Namespace
                        ) -> None:
