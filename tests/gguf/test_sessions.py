@@ -19,6 +19,7 @@ import httpx
 import pytest
 from conftest import ServerProcess
 from helpers import notes, wait_for
+from support import hostile
 
 CHAT = "/chat/completions"
 CANCELLED = 'butter_cancellations_total{phase="%s"}'
@@ -287,6 +288,68 @@ def test_eight_lanes_never_see_each_others_markers(eight_lanes):
         assert not leaked, f"lane {marker} answered {text!r}"
     own = sum(marker in text for marker, text in zip(MARKERS, texts))
     assert own >= 6, texts
+
+
+def read_stream(server: ServerProcess, body: dict, hang_up_after: int | None = None,
+                ) -> tuple[str, str]:
+    """Stream ``body`` to its end: (finish reason, text). With ``hang_up_after``, close the
+    connection after that many content chunks instead: ("hung up", text so far)."""
+    text, finish, done = [], None, False
+    with httpx.stream("POST", server.base_url + CHAT, json={**body, "stream": True},
+                      timeout=600) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                finish = choice["finish_reason"] or finish
+                text.append(choice["delta"].get("content") or "")
+            if hang_up_after is not None and finish is None \
+                    and sum(map(bool, text)) >= hang_up_after:
+                return "hung up", "".join(text)
+    assert done and finish in ("stop", "length"), (done, finish)
+    return finish, "".join(text)
+
+
+def test_eight_streamed_conversations_end_and_leave_nothing_held(eight_lanes):
+    """Eight streamed conversations at once, each with a system prompt of its own past a
+    stream's first 256 cells, three turns: the later turns reuse each conversation's cache,
+    some answers end at their end token and some at max_tokens, and three clients hang up
+    mid-answer in the first turn. Every stream read to its end ends (a finish reason, then
+    [DONE]); once a turn's streams have ended, one scrape of /metrics shows nothing held (no
+    active or queued request, busy session or reserved cell), and once the hung-up ones
+    are cancelled too. (A report of two streams that never ended, with two busy sessions
+    and their reserved cells beside no active request, was a scrape that mixed two engine
+    iterations: ``tests/core/test_metrics.py``.)"""
+    eight_lanes.wait_idle()
+    conversations = [[{"role": "system",
+                       "content": f"You keep house {n}. " + notes(30, f"house {n}")}]
+                     for n in range(8)]
+    cached_before = eight_lanes.metrics()["butter_cached_tokens_total"]
+    for turn in range(3):
+        hang_ups = {1, 4, 6} if turn == 0 else set()
+        for messages in conversations:
+            messages.append({"role": "user", "content": f"Turn {turn}: which lamp stays on?"})
+        bodies = [{"model": "smollm2", "messages": list(messages), "max_tokens": 24,
+                   "temperature": 0, "ignore_eos": n % 2 == 0}
+                  for n, messages in enumerate(conversations)]
+        cuts = [2 if n in hang_ups else None for n in range(len(bodies))]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            outcomes = list(pool.map(read_stream, [eight_lanes] * len(bodies), bodies, cuts))
+        for n, (finish, text) in enumerate(outcomes):
+            assert finish == "hung up" if n in hang_ups else finish in ("stop", "length")
+            conversations[n].append({"role": "assistant", "content": text})
+        if not hang_ups:  # the gauges were published before the last stream's end was sent
+            held = {name: eight_lanes.metrics()[name] for name in hostile.GAUGES}
+            assert not any(held.values()), f"turn {turn}: {held}"
+        held = hostile.gauges(hostile.wait_idle(eight_lanes.root, timeout=60))
+        assert not any(held.values()), f"turn {turn}: {held}"
+    # The later turns read each conversation from its cache: about 330 tokens each.
+    assert eight_lanes.metrics()["butter_cached_tokens_total"] - cached_before >= 2 * 8 * 250
 
 
 GREEDY = chat_body("Write a short poem about the sea.", temperature=0, max_tokens=24)
