@@ -29,6 +29,7 @@ SERIES = (
     "butter_prefill_tokens_total", "butter_decode_steps_total", "butter_model_passes_total",
     'butter_cancellations_total{phase="queued"}', 'butter_cancellations_total{phase="prefill"}',
     'butter_cancellations_total{phase="decode"}', "butter_fused_batching", "butter_engine_alive",
+    "butter_engine_step_running_seconds",
 )
 HISTOGRAMS = ("butter_time_to_first_token_seconds", "butter_time_per_output_token_seconds",
               "butter_e2e_request_latency_seconds", "butter_request_queue_time_seconds")
@@ -142,6 +143,22 @@ def test_a_scrape_never_mixes_two_engine_iterations(engine):
         sys.setswitchinterval(interval)
     assert scrapes[0] > 50
     assert not torn, f"{len(torn)} of {scrapes[0]} scrapes mixed two iterations: {torn[:5]}"
+
+
+def test_a_long_step_shows_as_a_step_running_not_as_held_requests(engine):
+    """A step that takes long (a CPU other processes crowd) shows how long it has run;
+    between steps, and once the engine idles, the gauge is 0."""
+    running = "butter_engine_step_running_seconds"
+    assert scrape(engine)[running] == 0
+    engine.model.runtime.delay = 0.8  # one step: the prompt and the only token
+    request = threading.Thread(target=run, args=(engine, [1, 2, 3], 1))
+    request.start()
+    longest = 0.0
+    while request.is_alive():
+        longest = max(longest, scrape(engine)[running])
+        time.sleep(0.02)
+    assert 0.3 < longest < 5
+    assert scrape(engine)[running] == 0
 
 
 def test_engine_alive_is_0_once_the_engine_stops(engine):

@@ -16,6 +16,7 @@ Every series carries ``model="<served id>"``. Only the serving side knows that i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 
 import attrs
@@ -95,6 +96,7 @@ class Metrics:
     kv_budget_bytes: int = 0
     kv_token_bytes: int = 0
     engine_alive: int = 0  # 1 from a started runtime until the engine thread ends
+    step_started: float | None = None  # time.monotonic() when the step running began
     # Histograms.
     registry: CollectorRegistry = attrs.field(factory=CollectorRegistry, eq=False, repr=False)
     latency: Latency = attrs.field(
@@ -199,6 +201,11 @@ class _Exposition(Collector):
         yield self._gauge("butter_engine_alive",
                           "1 while the engine thread runs; 0 once it stopped or died.",
                           m.engine_alive)
+        started = m.step_started  # read once: the engine thread clears it
+        yield self._gauge("butter_engine_step_running_seconds",
+                          "How long the engine's model step in progress has run (0 between "
+                          "steps); the other gauges are of the iteration before it.",
+                          0.0 if started is None else time.monotonic() - started)
         yield from _labelled(m.registry.collect(), model=self.model_id)
 
     def _counter(self, name: str, help_text: str, value: int) -> CounterMetricFamily:
@@ -207,7 +214,7 @@ class _Exposition(Collector):
         family.add_metric((self.model_id,), value)
         return family
 
-    def _gauge(self, name: str, help_text: str, value: int) -> GaugeMetricFamily:
+    def _gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, help_text, labels=("model",))
         family.add_metric((self.model_id,), value)
         return family

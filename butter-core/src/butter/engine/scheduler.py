@@ -377,11 +377,17 @@ class Engine:
         if not plan:
             return
         decoding = any(request.phase is Phase.DECODE for request, _ in plan)
-        if self.fused:
-            self._run_work(plan)
-        else:  # independent bounded sessions: one model pass each
-            for item in plan:
-                self._run_work([item])
+        # While it runs, /metrics tells a step that takes long (a CPU other processes
+        # crowd) from requests nobody works on: the gauges are the last iteration's.
+        self.metrics.step_started = time.monotonic()
+        try:
+            if self.fused:
+                self._run_work(plan)
+            else:  # independent bounded sessions: one model pass each
+                for item in plan:
+                    self._run_work([item])
+        finally:
+            self.metrics.step_started = None
         if decoding:
             self.metrics.decode_steps += 1
 
