@@ -3,10 +3,12 @@ cannot rewind, and a failing pass, without a model."""
 
 from __future__ import annotations
 
+import queue
+import random
 import time
 
 import pytest
-from fakes.runtime import FakeModel
+from fakes.runtime import FakeModel, ToyModel
 
 from butter.backend import ForkKind, TruncateKind
 from butter.engine.events import Admitted, Failed, Finished, SyncChannel
@@ -163,3 +165,44 @@ def test_short_prompts_prefill_before_a_long_one_which_then_goes_first(engine_fo
     assert sizes[first] == [10, 10]
     # ...and goes first in the next step, then its chunks follow one a step.
     assert sizes[first + 1:first + 4] == [[16], [16], [8]]
+
+
+def test_every_request_ends_once_and_nothing_stays_held_whatever_happens(engine_for):
+    """Rounds of random requests on the toy model (cached prompts asked again exactly,
+    prompts that quote themselves so drafts get verified, n choices of one prompt, answers
+    that end at their end token or at max_tokens), cancelled at random moments, with model
+    passes failing now and then: every request gets one end (Finished or Failed) and
+    nothing after it, and once a round is over the engine holds no request, session or
+    reserved cell. (The engine state a stuck stream would need.)"""
+    rng = random.Random(20261204)
+    model = ToyModel(delay=0.0005)
+    engine = engine_for(model, parallel=4, capacity=2048, max_batch=64, prefill_chunk=16)
+    failures = random.Random(1)
+    model.runtime.fail_when = lambda work: failures.random() < 0.02
+    stems = [[rng.randrange(256) for _ in range(rng.randint(20, 120))] for _ in range(4)]
+    quote = list(b"lmno" * 12)
+    for _ in range(8):
+        requests = []
+        for _ in range(rng.randint(2, 10)):
+            stem = rng.choice(stems)
+            prompt = rng.choice((stem, stem + quote, stem + [rng.randrange(256)]))
+            params = GenerationParams(max_tokens=rng.choice((1, 4, 30)),
+                                      ignore_eos=rng.random() < 0.5,
+                                      temperature=rng.choice((0.0, 0.8)), seed=7)
+            for _ in range(rng.choice((1, 1, 2, 3))):  # n choices: the same prompt again
+                requests.append(Request(list(prompt), params, SyncChannel()))
+                engine.submit(requests[-1])
+        for request in rng.sample(requests, len(requests) // 3):
+            time.sleep(rng.uniform(0, 0.01))
+            engine.cancel(request)
+        for request in requests:
+            ends = []
+            while not ends:
+                event = request.channel.get(timeout=10)
+                ends += [event] if isinstance(event, (Finished, Failed)) else []
+            with pytest.raises(queue.Empty):
+                request.channel.get(timeout=0.001)
+        gauges = engine.metrics.gauges  # the iteration that sent the last end, or a later one
+        assert (gauges.active_requests, gauges.queued_requests, gauges.sessions_busy,
+                gauges.kv_reserved_cells) == (0, 0, 0, 0)
+    assert model.runtime.verifies  # drafts were verified along the way
