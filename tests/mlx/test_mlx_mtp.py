@@ -160,3 +160,31 @@ def test_mtp_without_a_head_is_a_usage_error(tiny_qwen35_folder):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "--speculation" in result.stderr and "mtp_num_hidden_layers" in result.stderr
+
+
+def test_a_two_token_hybrid_pass_is_two_one_token_passes_bit_for_bit(tiny_qwen35_mtp_folder):
+    """What keeps a kept verify exact on Qwen3.5: its rows' logits, hidden states and the
+    recurrent state it leaves are those of one-token passes, bit for bit, on this CPU."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from butter.library import Model
+    from butter_backend_mlx.snapshots import capture
+
+    with Model.load(str(tiny_qwen35_mtp_folder), backend="mlx") as model:
+        network = model.loaded.network
+        ids = model.encode("The lighthouse stood on a spit of black rock at the harbour.")
+        states, rows = [], []
+        for split in (False, True):
+            cache = make_prompt_cache(network)
+            network(mx.array([ids[:-2]]), cache=cache)
+            if split:
+                row = [network.model(mx.array([[token]]), cache)[0, -1] for token in ids[-2:]]
+            else:
+                row = list(network.model(mx.array([ids[-2:]]), cache)[0])
+            state = [a for layer in capture(cache) if layer for a in layer]
+            mx.eval(row, state)
+            rows.append(row)
+            states.append(state)
+    assert all(mx.array_equal(a, b) for a, b in zip(*rows))
+    assert all(mx.array_equal(a, b) for a, b in zip(*states))
