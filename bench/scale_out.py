@@ -324,7 +324,16 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=22,
                         help="overhead: measured rounds, after two warm-up rounds")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE",
+                        help="a chart of the setups side by side (PNG or SVG)")
+    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                        help="run nothing: draw the chart of a run --json saved")
     args = parser.parse_args()
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot FILE")
+        chart(json.loads(args.replot.read_text()), args)
+        return 0
     wanted = [name for name in args.only.split(",") if name]
     same = [name for name in args.same.split(",") if name]
     unknown = set(wanted + same) - {*SETUPS, "overhead"} | set(same) - set(SETUPS)
@@ -346,7 +355,34 @@ def main() -> int:
         print("overhead", json.dumps(report["overhead_ttft"]), flush=True)
     save(report, same, args.json)
     print(json.dumps(report, indent=2))
+    if args.plot:
+        chart(report, args)
     return 0
+
+
+LABELS = {"single": "one process, 2 threads", "affinity": "2 replicas, prefix affinity",
+          "pow2": "2 replicas, power of two", "sglang": "SGLang gateway, 2 processes"}
+PANELS = (("completion_tok_s", "completion tokens/s (higher is better)"),
+          ("prefix_hit_rate", "prefix-hit rate (higher is better)"),
+          ("ttft_p50_s", "TTFT p50, s (lower is better)"),
+          ("ttft_p99_s", "TTFT p99, s (lower is better)"))
+
+
+def chart(report: dict, args: argparse.Namespace) -> None:
+    """The setups side by side (an A/A repeat beside its first run, marked ')."""
+    from butter.bench.plot import bars
+
+    setups = {}
+    for name, result in report.items():
+        if name.rstrip("'") in LABELS and "completion_tok_s" in result:
+            setups[LABELS[name.rstrip("'")] + (" (again)" if name.endswith("'") else "")] = {
+                **result, "ttft_p50_s": result["ttft_p50_ms"] / 1000,
+                "ttft_p99_s": result["ttft_p99_ms"] / 1000}
+    path = bars(setups, PANELS, args.plot,
+                title=f"eight tenants, ~1,000-token system prompts, Zipf, multi-turn, "
+                      f"{args.max_tokens} tokens out, {args.concurrency} in flight "
+                      f"(SmolLM2 Q4_1)")
+    print(f"chart: {path}", flush=True)
 
 
 def save(report: dict, same: list[str], path: Path | None) -> None:

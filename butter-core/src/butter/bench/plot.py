@@ -1,8 +1,10 @@
-"""Charts of benchmark runs: tokens/s and time to first token against lanes.
+"""Charts of benchmark runs, drawn by matplotlib (``pip install 'butter-core[bench]'``)
+into a PNG or SVG (the file's suffix says which).
 
-One line per server or setting, drawn by matplotlib (``pip install 'butter-core[bench]'``)
-into a PNG or SVG (the file's suffix says which). ``butter serve-bench --plot FILE`` draws
-its own run; the ``bench/`` scripts draw several servers' runs on the same axes.
+:func:`plot`: tokens/s and time to first token against lanes, one line per server or
+setting. ``butter serve-bench --plot FILE`` draws its own run; the ``bench/`` scripts
+draw several servers' runs on the same axes. :func:`bars`: setups side by side at one
+load (``bench/scale_out.py``), one panel per figure.
 """
 
 from __future__ import annotations
@@ -22,9 +24,7 @@ class Point:
     ttft_s: float | None  # median time to first token, seconds
 
 
-def plot(series: Mapping[str, Sequence[Point]], path: Path, *, title: str = "") -> Path:
-    """Draw ``series`` (label: its points) as two panels, tokens/s and TTFT against
-    lanes, into ``path``; raise ``RuntimeError`` if matplotlib is not installed."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -32,6 +32,22 @@ def plot(series: Mapping[str, Sequence[Point]], path: Path, *, title: str = "") 
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("charts need matplotlib: pip install 'butter-core[bench]'") from exc
+    return plt
+
+
+def _save(figure, path: Path, title: str) -> Path:
+    if title:
+        figure.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def plot(series: Mapping[str, Sequence[Point]], path: Path, *, title: str = "") -> Path:
+    """Draw ``series`` (label: its points) as two panels, tokens/s and TTFT against
+    lanes, into ``path``; raise ``RuntimeError`` if matplotlib is not installed."""
+    plt = _pyplot()
     figure, (speed, ttft) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     lanes: set[int] = set()
     for label, points in series.items():
@@ -52,10 +68,30 @@ def plot(series: Mapping[str, Sequence[Point]], path: Path, *, title: str = "") 
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
     speed.legend(fontsize="small")
-    if title:
-        figure.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    path = _save(figure, path, title)
+    plt.close(figure)
+    return path
+
+
+def bars(setups: Mapping[str, Mapping[str, float | None]], panels: Sequence[tuple[str, str]],
+         path: Path, *, title: str = "") -> Path:
+    """Draw one panel per ``(figure key, axis label)`` in ``panels``, one bar per setup
+    (``setups``: label -> its figures; a missing or None figure leaves a gap), into
+    ``path``; raise ``RuntimeError`` if matplotlib is not installed."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 4.2),
+                                constrained_layout=True, squeeze=False)
+    labels = list(setups)
+    for axis, (key, name) in zip(axes[0], panels):
+        values = [setups[label].get(key) for label in labels]
+        drawn = axis.bar(range(len(labels)), [v or 0 for v in values],
+                         color=[f"C{i}" for i in range(len(labels))])
+        axis.bar_label(drawn, labels=["" if v is None else f"{v:.3g}" for v in values],
+                       fontsize="small")
+        axis.set_xticks(range(len(labels)), labels, rotation=30, ha="right",
+                        fontsize="small")
+        axis.set(title=name)
+        axis.grid(axis="y", alpha=0.3)
+    path = _save(figure, path, title)
     plt.close(figure)
     return path

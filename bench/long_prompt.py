@@ -1,0 +1,119 @@
+"""Long prompts: time to first token against llama-server (issue 24, item 4).
+
+Two workloads, every prompt new to the server (a fresh text each time: nothing cached):
+
+* ``one``: one prompt of about ``--long`` tokens (4,000), alone;
+* ``eight``: eight prompts of about ``--lane-tokens`` tokens (1,100) each, all at once;
+  reported as the median lane's time and the last lane's (when all eight have their
+  first token).
+
+Each request is a ``/v1/completions`` call with ``max_tokens`` 1, so its time is the
+prompt's prefill plus one sampled token: the time to first token. Both servers get the
+same texts in the same round. A round starts one server (``--parallel 8``, ``--threads``
+threads, 8 x ``--slot-context`` KV cells), runs both workloads, stops it, then does the
+same with the other; the side that goes first alternates from round to round. Reported:
+the median over ``--rounds`` of each figure and of its per-round ratio butter/peer
+(lower is better: a ratio under 1.0 is butter ahead). ``--same butter`` (or ``peer``)
+runs one server in both columns: the A/A spread.
+
+    .venv/bin/python bench/long_prompt.py [--rounds 5] [--same butter] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import common
+import httpx
+
+WORDS = ("ledger", "harbour", "copper", "meadow", "lantern", "archive", "granite", "willow",
+         "saffron", "beacon", "orchard", "compass", "thistle", "quarry", "falcon", "ember",
+         "river", "candle", "marble", "signal", "pepper", "canyon", "velvet", "anchor")
+LANES = 8
+FIGURES = ("one", "eight_p50", "eight_last")
+
+
+def text(tokens: int, seed: str) -> str:
+    """A prompt of about ``tokens`` SmolLM2 tokens (one a word), unlike any other seed's
+    from its first words on."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(tokens - 12)]
+    return f"Record {seed}: " + " ".join(words) + "\nSummary:"
+
+
+async def first_token(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[float, int]:
+    started = time.perf_counter()
+    response = await client.post(url, json={"model": common.MODEL_ID, "prompt": prompt,
+                                            "max_tokens": 1, "temperature": 0})
+    response.raise_for_status()
+    return time.perf_counter() - started, response.json()["usage"]["prompt_tokens"]
+
+
+async def workloads(base: str, args: argparse.Namespace, round_index: int) -> dict:
+    url = f"{base}/completions"
+    async with httpx.AsyncClient(timeout=600) as client:
+        await first_token(client, url, text(64, f"warm-{round_index}"))
+        one, one_tokens = await first_token(client, url, text(args.long, f"one-{round_index}"))
+        lanes = await asyncio.gather(*(
+            first_token(client, url, text(args.lane_tokens, f"lane-{round_index}-{lane}"))
+            for lane in range(LANES)))
+    times = sorted(seconds for seconds, _ in lanes)
+    return {"one": one, "one_tokens": one_tokens, "eight_p50": statistics.median(times),
+            "eight_last": times[-1], "lane_tokens": lanes[0][1]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_arguments(parser)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--long", type=int, default=4000, help="tokens of the lone prompt")
+    parser.add_argument("--lane-tokens", type=int, default=1100,
+                        help="tokens of each of the eight concurrent prompts")
+    parser.add_argument("--slot-context", type=int, default=4608)
+    parser.add_argument("--same", choices=common.SERVERS,
+                        help="one server in both columns (the A/A run)")
+    args = parser.parse_args()
+    logs = common.log_dir(args)
+    results: dict[str, list[dict]] = {name: [] for name in common.SERVERS}
+    for round_index in range(args.rounds):
+        for name in common.server_order(args, round_index):
+            plan = common.ServerPlan(name=args.same or name, parallel=LANES,
+                                     slot_context=args.slot_context, threads=args.threads,
+                                     llama_server=args.llama_server,
+                                     butter_args=args.butter_args)
+            with common.running_server(plan, logs) as base:
+                found = asyncio.run(workloads(base, args, round_index))
+            results[name].append(found)
+            common.console.print(f"round {round_index} {name}: " + ", ".join(
+                f"{key} {value:.2f}" for key, value in found.items()))
+    if args.only:
+        return 0
+    rows, ratios = [], {}
+    for figure in FIGURES:
+        per_round = [b[figure] / p[figure] for b, p in zip(results["butter"], results["peer"])]
+        ratios[figure] = per_round
+        rows.append(common.Row(f"{figure} TTFT s (median of {args.rounds})",
+                               statistics.median(r[figure] for r in results["butter"]),
+                               statistics.median(r[figure] for r in results["peer"]),
+                               higher_is_better=False))
+    title = (f"long prompts: one of ~{args.long} tokens, eight of ~{args.lane_tokens} at "
+             f"once, {args.threads} threads")
+    if args.same:
+        common.print_rows(f"{title}, A/A: {args.same} in both columns", rows, "B", "A")
+    else:
+        common.print_rows(title, rows)
+    for figure, values in ratios.items():
+        common.console.print(f"{figure}: per-round ratios "
+                             + " ".join(f"{v:.3f}" for v in values)
+                             + f"; median {statistics.median(values):.3f}")
+    common.save_json(args.json, rows, {"rounds": results, "ratios": ratios,
+                                       "same": args.same, "threads": args.threads})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
