@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from butter.ray.metrics import ModelReport, cluster_exposition
@@ -134,3 +136,63 @@ def test_every_model_s_replicas_count_against_the_cores(tiny_qwen35_gguf):
     assert done.returncode == 2
     assert (f"2 models × {cores} replicas of 1 CPU(s) each need {2 * cores} CPUs; this "
             f"machine has {cores}") in done.stderr
+
+
+class _Stream:
+    """A handle call's stream: ``items`` then ``error`` (what Serve's generator raises)."""
+
+    def __init__(self, items: list, error: BaseException | None = None,
+                 hang: bool = False) -> None:
+        self.items, self.error, self.hang, self.cancelled = list(items), error, hang, False
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        if self.hang:
+            await asyncio.sleep(3600)
+        raise self.error or StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _delta():
+    from butter.chat.recovery import ContentDelta
+
+    return ContentDelta(text="hi")
+
+
+def test_a_replica_dying_under_its_stream_is_replica_lost_not_a_cut_connection():
+    # Serve raises CancelledError in the ingress when the replica's task was cancelled
+    # by its actor's death: the stream must end with replica_lost (an error event).
+    from butter.errors import ReplicaLostError
+    from butter.ray.remote import RemoteGeneration
+
+    async def read() -> list:
+        generation = RemoteGeneration(_Stream([_delta()], asyncio.CancelledError()))
+        seen = []
+        with pytest.raises(ReplicaLostError):
+            async for delta in generation:
+                seen.append(delta)
+        return seen
+
+    assert len(asyncio.run(read())) == 1
+
+
+def test_a_cancelled_reader_still_cancels_and_is_not_called_lost():
+    from butter.ray.remote import RemoteGeneration
+
+    async def read(generation: RemoteGeneration) -> None:
+        async for _ in generation:
+            pass
+
+    async def main() -> _Stream:
+        stream = _Stream([_delta()], hang=True)
+        task = asyncio.create_task(read(RemoteGeneration(stream)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return stream
+
+    assert asyncio.run(main()).cancelled  # the replica's call is cancelled too

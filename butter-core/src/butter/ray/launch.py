@@ -104,6 +104,11 @@ def cpus_needed(plans: list[ModelPlan], available: float, where: str) -> None:
     raise UsageError("--replicas", f"{asked}; {where} has {available:g}")
 
 
+# Ray Serve's proxy checks (seconds) on the local cluster ``--replicas`` starts.
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+                  "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
 def build_app(plans: list[ModelPlan]) -> Any:
     """The Serve application: one ingress over one replica deployment per model (Ray
     Serve LLM's ``build_openai_app`` shape), each with its own prefix router."""
@@ -186,6 +191,13 @@ def run_replicas(args: argparse.Namespace, plugins: Plugins) -> int:
     replicas = plans[0].args.replicas
     if local:
         cpus_needed(plans, os.cpu_count() or 1, "this machine")
+    if local:
+        # Serve kills a proxy not ready in 5 s or failing three 10-s health checks: on a
+        # busy small machine that drops every open stream. The local cluster (its
+        # processes inherit this environment) gives it longer; a cluster of one's own
+        # keeps its own settings.
+        for name, seconds in PROXY_PATIENCE.items():
+            os.environ.setdefault(name, seconds)
     with console.status("Starting Ray…" if local else f"Joining Ray at {args.ray_address}…",
                         spinner="dots"):
         ray.init(address="local" if local else args.ray_address, include_dashboard=False,

@@ -185,6 +185,16 @@ class RemoteGeneration:
         except (ray.exceptions.RayError, ConnectionError) as exc:
             self._ended()
             raise _lost(exc) from None
+        except asyncio.CancelledError as exc:
+            # Serve turns a task cancelled on the replica's side (its actor died under
+            # it) into CancelledError here. Only a cancel of this task is ours to pass
+            # on; any other means the replica is gone, and the stream ends with an error
+            # event, not a cut connection.
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            self._ended()
+            raise _lost(exc) from None
         if isinstance(item, Finished | Failure):
             self._ended()
         return item
