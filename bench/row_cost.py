@@ -21,6 +21,12 @@ tokens and times eight decode rows in one pass against one pass each: what butte
 per-session layout pays to keep a long row's answer the same alone or in company (a
 lone row over 512 cells takes ggml's split-KV path, a row in company does not, so
 butter always runs such a row alone).
+
+``--prefill N`` times instead one prompt of N tokens read into a fresh one-stream
+context (8,192 cells, as ``--parallel 1``) in three ways, median of ``--reps``: in
+512-row passes (llama-server's micro-batch), in 256-row passes, and as butter's GGUF
+back end reads it (positions below 256 in passes of at most 63 rows, later ones in
+``--chunk``-row passes): where a long prompt's time goes, without either server.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 import llama_cpp as ll
 
 from butter.resolvers import shipped_model_path
+from butter_backend_gguf.native import cpu_has_amx
 
 STREAMS = 8
 FILLED = 100  # tokens already in every stream
@@ -87,16 +94,57 @@ def fill(ctx, memory, length: int, start: int) -> None:
             ll.llama_batch_free(batch)
 
 
+def pieces(length: int, first: int, size: int, head: int = 0) -> list[list[tuple]]:
+    """Prompt rows ``0..length`` of stream 0 in passes: ``head`` positions in passes of
+    at most ``first`` rows, then passes of ``size`` rows."""
+    cuts, at = [], 0
+    while at < length:
+        step = min(first, head - at) if at < head else size
+        cuts.append([(0, 1000 + i % 500, i, False) for i in range(at, min(length, at + step))])
+        at += step
+    return cuts
+
+
+def prefill(model, args: argparse.Namespace) -> None:
+    params = ll.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = 8192, 512, 512
+    params.n_seq_max, params.kv_unified = 1, False
+    params.n_threads = params.n_threads_batch = args.threads
+    ctx = ll.llama_init_from_model(model, params)
+    memory = ll.llama_get_memory(ctx)
+    ways = {"512-row passes (llama-server)": pieces(args.prefill, 512, 512),
+            "256-row passes": pieces(args.prefill, 256, 256),
+            f"butter: 63-row passes to 256, then {args.chunk}": pieces(
+                args.prefill, 63, args.chunk, head=256)}
+    print(f"SmolLM2-135M Q4_1, {args.threads} threads, one {args.prefill}-token prompt")
+    reps = max(3, args.reps // 5)
+    for label, passes in ways.items():
+        ms = timed(ctx, memory, passes, reps)
+        print(f"{label:42s} {ms / 1000:7.2f} s   {args.prefill / ms * 1000:7.1f} tok/s   "
+              f"{len(passes)} passes")
+    ll.llama_free(ctx)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--long", type=int, default=1500, help="tokens per stream, long rows")
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="time one N-token prompt's prefill instead (see above)")
+    parser.add_argument("--chunk", type=int, default=256,
+                        help="--prefill: butter's passes after position 256")
     args = parser.parse_args()
     ll.llama_log_set(_quiet, ctypes.c_void_p(0))
     ll.llama_backend_init()
-    model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(),
-                                          ll.llama_model_default_params())
+    model_params = ll.llama_model_default_params()
+    if cpu_has_amx():  # as both servers run here (butter's GGUF back end, --no-repack)
+        model_params.use_extra_bufts = False
+    model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params)
+    if args.prefill:
+        prefill(model, args)
+        ll.llama_model_free(model)
+        return 0
     params = ll.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_ubatch = STREAMS * STREAM_CELLS, 512, 512
     params.n_seq_max, params.kv_unified = STREAMS, False

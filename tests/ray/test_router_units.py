@@ -196,3 +196,24 @@ def test_a_cancelled_reader_still_cancels_and_is_not_called_lost():
         return stream
 
     assert asyncio.run(main()).cancelled  # the replica's call is cancelled too
+
+
+def test_a_stale_full_kv_report_does_not_pass_over_a_replica_whose_requests_ended():
+    # Serve polls record_routing_stats each second: a report from the moment a replica
+    # was full must not move its tenants away once this router's requests there ended.
+    from types import SimpleNamespace
+
+    from butter.ray.router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
+    router._deployment_id = None
+    router.initialize_state(imbalance=4)
+    rid = "replica-a"  # a ReplicaID stand-in: hashable
+    full = {"queue": 4, "active": 4, "free_kv": 0.0}
+    replica = SimpleNamespace(replica_id=rid, routing_stats=full)
+    router._last_seen[rid] = 100.0  # a request of ours ended just now
+    assert router.load(replica, now=100.5) == 0  # stale: nothing of ours is there
+    router._inflight[rid] = 4
+    assert router.load(replica, now=100.5) == 8  # current: full, passed over
+    router._inflight[rid] = 1
+    assert router.load(replica, now=100.5) == 1  # the report predates three releases

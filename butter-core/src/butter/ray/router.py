@@ -14,8 +14,9 @@ The decision, per request:
 
 1. Load of a replica: requests this router has in flight on it (or just chose for it);
    for a replica it has sent nothing to lately, the queue the replica last reported; plus
-   ``imbalance`` when it reports less than ``min_free_kv`` of its KV free. Replicas more
-   than ``imbalance`` above the least loaded are passed over.
+   ``imbalance`` when it reports less than ``min_free_kv`` of its KV free (a report no
+   older than this router's own count: it has requests there, and the report shows no
+   more active). Replicas more than ``imbalance`` above the least loaded are passed over.
 2. Among the rest, the one holding the longest prefix of the key (in ``block_chars``
    blocks, hashed in a chain as a paged KV cache does) wins; ties go to the least
    loaded.
@@ -178,8 +179,13 @@ class PrefixAffinityRouter(RequestRouter):
         stats = replica.routing_stats or {}
         quiet = now - self._last_seen.get(rid, -STATS_STALE) >= STATS_STALE
         load = max(own, int(stats.get("queue", 0))) if own == 0 and quiet else own
+        # Little free KV counts only while the report is no older than what this router
+        # knows: it has requests there and the report shows no more active than that.
+        # A report from a busier moment (Serve polls each second) would pass the
+        # replica over once its requests had ended, and move its tenants off it.
         free = stats.get("free_kv")
-        if free is not None and free < self.min_free_kv:
+        current = 0 < own and int(stats.get("active", 0)) <= own
+        if free is not None and free < self.min_free_kv and current:
             load += self.imbalance
         return load
 
