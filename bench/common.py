@@ -35,6 +35,9 @@ MODEL_ID = "smollm2"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SERVERS = ("butter", "peer")
 HEALTH_TIMEOUT_S = 300.0
+# Words the bench prompts are made of (texts of a known length that share nothing).
+WORDS = ("ledger", "harbour", "copper", "meadow", "lantern", "archive", "granite", "willow",
+         "saffron", "beacon", "orchard", "compass", "thistle", "quarry", "falcon", "ember")
 
 try:  # butter-core installed in the venv, or fall back to the checkout.
     from butter.bench import serve_bench

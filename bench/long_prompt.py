@@ -30,9 +30,8 @@ import time
 import common
 import httpx
 
-WORDS = ("ledger", "harbour", "copper", "meadow", "lantern", "archive", "granite", "willow",
-         "saffron", "beacon", "orchard", "compass", "thistle", "quarry", "falcon", "ember",
-         "river", "candle", "marble", "signal", "pepper", "canyon", "velvet", "anchor")
+WORDS = (*common.WORDS, "river", "candle", "marble", "signal", "pepper", "canyon",
+         "velvet", "anchor")
 LANES = 8
 FIGURES = ("one", "eight_p50", "eight_last")
 

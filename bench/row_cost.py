@@ -94,6 +94,17 @@ def fill(ctx, memory, length: int, start: int) -> None:
             ll.llama_batch_free(batch)
 
 
+def open_context(model, streams: int, cells: int, threads: int):
+    """A context as llama-server ``-np streams -c cells`` opens it (a KV stream per slot,
+    512-row micro-batches): ``(ctx, memory)``."""
+    params = ll.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = cells, 512, 512
+    params.n_seq_max, params.kv_unified = streams, False
+    params.n_threads = params.n_threads_batch = threads
+    ctx = ll.llama_init_from_model(model, params)
+    return ctx, ll.llama_get_memory(ctx)
+
+
 def pieces(length: int, first: int, size: int, head: int = 0) -> list[list[tuple]]:
     """Prompt rows ``0..length`` of stream 0 in passes: ``head`` positions in passes of
     at most ``first`` rows, then passes of ``size`` rows."""
@@ -106,12 +117,7 @@ def pieces(length: int, first: int, size: int, head: int = 0) -> list[list[tuple
 
 
 def prefill(model, args: argparse.Namespace) -> None:
-    params = ll.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch = 8192, 512, 512
-    params.n_seq_max, params.kv_unified = 1, False
-    params.n_threads = params.n_threads_batch = args.threads
-    ctx = ll.llama_init_from_model(model, params)
-    memory = ll.llama_get_memory(ctx)
+    ctx, memory = open_context(model, 1, 8192, args.threads)
     ways = {"512-row passes (llama-server)": pieces(args.prefill, 512, 512),
             "256-row passes": pieces(args.prefill, 256, 256),
             f"butter: 63-row passes to 256, then {args.chunk}": pieces(
@@ -145,12 +151,7 @@ def main() -> int:
         prefill(model, args)
         ll.llama_model_free(model)
         return 0
-    params = ll.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch = STREAMS * STREAM_CELLS, 512, 512
-    params.n_seq_max, params.kv_unified = STREAMS, False
-    params.n_threads = params.n_threads_batch = args.threads
-    ctx = ll.llama_init_from_model(model, params)
-    memory = ll.llama_get_memory(ctx)
+    ctx, memory = open_context(model, STREAMS, STREAMS * STREAM_CELLS, args.threads)
     fill(ctx, memory, FILLED, 0)
 
     print(f"SmolLM2-135M Q4_1, {args.threads} threads, {FILLED} tokens in each stream")

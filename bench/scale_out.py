@@ -51,15 +51,13 @@ import httpx
 
 TENANTS = 8
 REQUEST_TIMEOUT = 240.0  # seconds; a request past it counts as failed, the run goes on
-WORDS = ("ledger", "harbour", "copper", "meadow", "lantern", "archive", "granite", "willow",
-         "saffron", "beacon", "orchard", "compass", "thistle", "quarry", "falcon", "ember")
 
 
 def system_prompt(tenant: int) -> str:
     """About 1,000 SmolLM2 tokens of text nobody else shares."""
-    rng = random.Random(tenant)
-    rules = [f"Rule {tenant}.{i}: the {rng.choice(WORDS)} of house {tenant} meets the "
-             f"{rng.choice(WORDS)} on day {rng.randrange(1, 365)} at hour {rng.randrange(24)}."
+    rng, words = random.Random(tenant), common.WORDS
+    rules = [f"Rule {tenant}.{i}: the {rng.choice(words)} of house {tenant} meets the "
+             f"{rng.choice(words)} on day {rng.randrange(1, 365)} at hour {rng.randrange(24)}."
              for i in range(52)]
     return f"You are the archivist of house {tenant}. " + " ".join(rules)
 

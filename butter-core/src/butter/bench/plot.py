@@ -35,12 +35,14 @@ def _pyplot():
     return plt
 
 
-def _save(figure, path: Path, title: str) -> Path:
+def _save(plt, figure, path: Path, title: str) -> Path:
+    """Title ``figure``, write it to ``path`` (its folder made) and close it."""
     if title:
         figure.suptitle(title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
+    plt.close(figure)
     return path
 
 
@@ -68,9 +70,7 @@ def plot(series: Mapping[str, Sequence[Point]], path: Path, *, title: str = "") 
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
     speed.legend(fontsize="small")
-    path = _save(figure, path, title)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path, title)
 
 
 def bars(setups: Mapping[str, Mapping[str, float | None]], panels: Sequence[tuple[str, str]],
@@ -92,6 +92,4 @@ def bars(setups: Mapping[str, Mapping[str, float | None]], panels: Sequence[tupl
                         fontsize="small")
         axis.set(title=name)
         axis.grid(axis="y", alpha=0.3)
-    path = _save(figure, path, title)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path, title)
