@@ -32,17 +32,23 @@ from rich.table import Table
 from butter.bench.plot import Point, plot
 
 DATA = common.REPO / "bench" / "data" / "speculation.json"
+# --kv-cache: butter's codec and the llama-server cache types it maps to (kvtypes.py)
+KV_CACHES = {"raw": [], "affine8": ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0",
+                                    "--flash-attn", "on"]}
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-cache", "ngram-map-k", "ngram-mod")
 
 
 def settings(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
-    """(label, server, extra flags) in run order."""
-    runs = [("butter spec on", "butter", []),
-            ("butter spec off", "butter", ["--speculation", "none"]),
-            ("llama-server default", "peer", [])]
-    runs += [(f"llama-server {kind}", "peer", ["--spec-type", kind]) for kind in args.spec_types]
+    """(label, server, extra flags) in run order; both servers on the same cache types."""
+    ours = ["--kv-cache", args.kv_cache] if args.kv_cache != "raw" else []
+    theirs = KV_CACHES[args.kv_cache]
+    runs = [("butter spec on", "butter", ours),
+            ("butter spec off", "butter", ours + ["--speculation", "none"]),
+            ("llama-server default", "peer", theirs)]
+    runs += [(f"llama-server {kind}", "peer", theirs + ["--spec-type", kind])
+             for kind in args.spec_types]
     if args.aa:
-        runs.append(("butter spec on (A/A)", "butter", []))
+        runs.append(("butter spec on (A/A)", "butter", ours))
     return runs
 
 
@@ -149,7 +155,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
         rows += run_setting(label, server, flags, args, data, logs)
         if args.json:  # after each setting: a late failure keeps what ran
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"max_tokens": args.max_tokens, "rows": rows},
+            args.json.write_text(json.dumps({"max_tokens": args.max_tokens,
+                                            "kv_cache": args.kv_cache, "rows": rows},
                                             indent=1) + "\n")
     return rows
 
@@ -167,6 +174,8 @@ def main() -> None:
                         default=list(LLAMA_SPEC_TYPES),
                         help="llama-server --spec-type values to run (comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--kv-cache", choices=sorted(KV_CACHES), default="raw",
+                        help="butter's --kv-cache; llama-server gets the same cache types")
     parser.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
                         help="run butter's default again last (the A/A pair)")
     parser.add_argument("--only", choices=("butter", "peer"), help="one server's settings")
@@ -182,6 +191,7 @@ def main() -> None:
         saved = json.loads(args.replot.read_text())
         rows = saved["rows"]
         args.max_tokens = saved["max_tokens"]
+        args.kv_cache = saved.get("kv_cache", "raw")
         args.workloads = list(dict.fromkeys(row["workload"] for row in rows))
     else:
         rows = measure(args)
@@ -195,7 +205,8 @@ def main() -> None:
                         Point(row["lanes"], row["tok_s"], row["ttft_p50"]))
             path = plot(series, args.plot / f"speculation-{workload}.png",
                         title=f"{workload} workload, SmolLM2 Q4_1, greedy, "
-                              f"{args.max_tokens} tokens at most, {args.threads} threads")
+                              f"{args.max_tokens} tokens at most, {args.threads} threads"
+                              + ("" if args.kv_cache == "raw" else f", KV {args.kv_cache}"))
             common.console.print(f"[dim]chart: {path}[/dim]")
 
 

@@ -50,14 +50,17 @@ def test_an_answer_does_not_depend_on_what_runs_beside_it(lanes, prompt, mode) -
     assert again == alone
 
 
-@pytest.fixture(scope="module")
-def runtime():
+@pytest.fixture(scope="module", params=["raw", "affine8"])
+def runtime(request):
+    """Both ways of reading: a float cache (row by row, then tiled) and a quantized one
+    (row by row throughout, one pass per chunk)."""
     from butter.backend import KVSpec
     from butter.library import default_plugins
 
     plugins = default_plugins()
     model = plugins.backends["gguf"].load(plugins.resolve("smollm2"), threads=2)
-    runtime = model.create_runtime(kv=KVSpec(), capacity=2048, n_sessions=2, max_batch=512,
+    kv = KVSpec(codec=plugins.kv_codec(request.param))
+    runtime = model.create_runtime(kv=kv, capacity=2048, n_sessions=2, max_batch=512,
                                    options={"kv_layout": "per-session"})
     yield model, runtime
     runtime.close()

@@ -4,6 +4,10 @@ Asked to repeat a paragraph, the model copies it, so most of its answer is draft
 the prompt and verified in one pass. Greedy and seeded answers must be the same to the
 character with `speculation: false` and with drafting, asked alone, beside three other
 requests and again (SPEC 5); usage and /metrics count what was drafted and accepted.
+
+On a quantized cache (`--kv-cache affine8`, q8_0) ggml's flash attention has one path for
+every row, so drafting goes on past a stream's first 256 cells: the same check after a
+long preamble, the others beside it long too.
 """
 
 from __future__ import annotations
@@ -23,11 +27,21 @@ QUOTE = "Repeat this paragraph exactly, word for word:\n\n" + PARAGRAPH
 MODES = {"greedy": {"temperature": 0.0},
          "seeded": {"temperature": 0.8, "seed": 1234, "top_k": 40, "top_p": 0.95}}
 MAX_TOKENS = 90
+PREAMBLE = " ".join(f"Note {n}: the tide table for day {n} was filed by the harbour "
+                    f"office." for n in range(1, 31))
+LONG_QUOTE = f"Background (ignore it): {PREAMBLE}\n\n{QUOTE}"
 
 
 @pytest.fixture(scope="module")
 def server():
     process = ServerProcess("--parallel", "4", "--max-context", "4096")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    process = ServerProcess("--parallel", "4", "--max-context", "8192", "--kv-cache", "affine8")
     yield process
     process.stop()
 
@@ -41,15 +55,18 @@ async def ask(client: httpx.AsyncClient, url: str, prompt: str, sampling: dict,
     return response.json()
 
 
-async def scenario(url: str, sampling: dict) -> dict[str, dict]:
+async def scenario(url: str, sampling: dict, quote: str = QUOTE,
+                   before: str = "") -> dict[str, dict]:
     async with httpx.AsyncClient(timeout=300) as client:
-        plain = await ask(client, url, QUOTE, sampling, speculation=False)
-        alone = await ask(client, url, QUOTE, sampling)
-        others = [ask(client, url, "Explain how bread rises.", {"temperature": 0.0}),
-                  ask(client, url, "Repeat: " + PARAGRAPH[:120], {"temperature": 0.8, "seed": 5}),
-                  ask(client, url, "Tell me about the first railway.", {"temperature": 0.7})]
-        fused, *_ = await asyncio.gather(ask(client, url, QUOTE, sampling), *others)
-        again = await ask(client, url, QUOTE, sampling)
+        plain = await ask(client, url, quote, sampling, speculation=False)
+        alone = await ask(client, url, quote, sampling)
+        others = [ask(client, url, before + "Explain how bread rises.", {"temperature": 0.0}),
+                  ask(client, url, before + "Repeat: " + PARAGRAPH[:120],
+                      {"temperature": 0.8, "seed": 5}),
+                  ask(client, url, before + "Tell me about the first railway.",
+                      {"temperature": 0.7})]
+        fused, *_ = await asyncio.gather(ask(client, url, quote, sampling), *others)
+        again = await ask(client, url, quote, sampling)
     return {"plain": plain, "alone": alone, "fused": fused, "again": again}
 
 
@@ -79,3 +96,20 @@ def test_speculation_gives_the_tokens_plain_decoding_gives(server, mode) -> None
     counted = sum(answers[name]["usage"]["completion_tokens_details"]
                   ["accepted_prediction_tokens"] for name in ("alone", "fused", "again"))
     assert drafted >= kept >= counted
+
+
+# After the preamble, SmolLM2 at 0.8 paraphrases rather than copies: seeded runs cooler.
+LONG_MODES = {"greedy": MODES["greedy"], "seeded": {**MODES["seeded"], "temperature": 0.4}}
+
+
+@pytest.mark.parametrize("mode", sorted(LONG_MODES))
+def test_a_quantized_cache_drafts_past_256_cells_with_the_same_tokens(quantized, mode) -> None:
+    answers = asyncio.run(scenario(quantized.base_url, LONG_MODES[mode], LONG_QUOTE,
+                                   before=f"Background: {PREAMBLE}\n\n"))
+    plain = text(answers["plain"])
+    assert answers["plain"]["usage"]["prompt_tokens"] > 300  # the answer starts past 256
+    assert PARAGRAPH[:40] in plain
+    for name in ("alone", "fused", "again"):
+        assert text(answers[name]) == plain, name
+    accepted = answers["alone"]["usage"]["completion_tokens_details"]
+    assert accepted["accepted_prediction_tokens"] > MAX_TOKENS // 3

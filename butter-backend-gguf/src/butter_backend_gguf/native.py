@@ -353,6 +353,10 @@ class GGUFRuntime:
         # attention path (``draft_room``): per-session streams of a model that rewinds.
         self.max_draft = MAX_DRAFT if self.per_session and model.info.can_rewind \
             and kv.window is None and not model.recurrent_state else 0
+        # ggml-cpu's flash attention tiles, and splits a lone row's keys, only on a cache
+        # of float keys and values: on a quantized one every row reads its cells one by
+        # one, whatever its pass holds, so no position or pass changes how a row sums.
+        self._one_path = types.quantized
         self._n_vocab = model.info.n_vocab
         self._builder = BatchBuilder(max(max_batch, TILED_MIN_ROWS))
         total = int(ll.llama_n_ctx(ctx))
@@ -451,10 +455,11 @@ class GGUFRuntime:
         """Feed every drafting session's last token and drafts in one pass of their own,
         logits on every row, then draw row by row as plain decoding would (each
         request's own chain and random state) until a draw differs from the next draft;
-        the rejected positions leave the cache. ``draft_room`` kept every row inside its
-        stream's first ``SPLIT_KV_FREE_CELLS`` cells, where ggml's flash attention takes
-        the row-by-row path however llama.cpp cuts the pass into micro-batches, as it
-        does for a plain one-token row there: each row sums alike."""
+        the rejected positions leave the cache. ``draft_room`` kept every row where
+        ggml's flash attention takes the row-by-row path however llama.cpp cuts the pass
+        into micro-batches, as it does for a plain one-token row there (a float cache's
+        first ``SPLIT_KV_FREE_CELLS`` cells, a quantized cache anywhere): each row sums
+        alike."""
         builder = self._builder
         builder.clear()
         starts, firsts = [], []
@@ -484,10 +489,12 @@ class GGUFRuntime:
 
     def draft_room(self, session: int, draft: int) -> int:
         """Drafts fit while the last verify row stays where a plain decode row takes the
-        row-by-row attention path (``_row_order``: a stream's first 256 cells)."""
+        row-by-row attention path: on a float cache a stream's first 256 cells
+        (``_row_order``), on a quantized one the whole stream."""
         if not self.max_draft:
             return 0
-        room = SPLIT_KV_FREE_CELLS - 1 - self._lengths[session]
+        end = self._stream_cells if self._one_path else SPLIT_KV_FREE_CELLS
+        room = end - 1 - self._lengths[session]
         return max(0, min(draft, room, self.max_draft))
 
     def _row_order(self, work: Sequence[Work], rows: list[int]) -> list[int]:
@@ -501,11 +508,13 @@ class GGUFRuntime:
         multiples of 256) always goes alone, and shorter rows batch in runs of
         consecutive sessions: every row takes the same path alone or with company.
         Units go highest session first, so no run picks up a row that is not its own.
+        A quantized cache has neither split nor tiled path: long rows batch too.
         """
         def session(i: int) -> int:
             return work[i].session
 
-        long = {i for i in rows if self._lengths[session(i)] + 1 > SPLIT_KV_FREE_CELLS}
+        long = set() if self._one_path else \
+            {i for i in rows if self._lengths[session(i)] + 1 > SPLIT_KV_FREE_CELLS}
         runs: list[list[int]] = []
         for i in sorted((i for i in rows if i not in long), key=session):
             if runs and session(runs[-1][-1]) + 1 == session(i):
@@ -559,9 +568,14 @@ class GGUFRuntime:
         in passes of at most 63 rows: a short prompt, or the few tokens after a cached
         prefix, costs only its own rows. Later positions go tiled, where long contexts
         attend faster; a tiled piece under 64 rows gets filler rows after it (later
-        positions: causal attention hides them from the piece) whose cells go at once."""
+        positions: causal attention hides them from the piece) whose cells go at once.
+        A quantized cache has no tiled path: the whole chunk goes in one pass."""
         if self._snapshots is not None:
             self._read_recurrent(item, body)
+            return
+        if self._one_path:  # every row reads its cells one by one, in any pass
+            if body:
+                self._decode([item], [(item, body, False)])
             return
         session = item.session
         done = 0
