@@ -127,7 +127,7 @@ def test_a_sure_request_drafts_beside_others_with_the_same_answers(engine_for):
         channels.append((request, channel))
         while len(channels) == 1 and len(model.runtime.verifies) < 2:
             assert not isinstance(channel.get(timeout=10), (Finished, Failed))
-        joined = len(model.runtime.verifies)
+    joined = len(model.runtime.verifies)
     for (request, channel), want in zip(channels, expected):
         while not isinstance(event := channel.get(timeout=10), (Finished, Failed)):
             pass
