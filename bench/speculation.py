@@ -9,7 +9,9 @@ an A/A pair whose spread is the noise of the run.
 Reported per workload, setting and lanes: completion tokens/s (every lane's tokens over
 the wave's wall time), TTFT p50, and where the server says so, drafted and accepted
 tokens, the acceptance rate and the tokens each verify produced (butter: /metrics;
-llama-server: the ``timings`` of its streams). ``--plot DIR`` draws one chart per workload
+llama-server: the ``timings`` of its streams), and the rate after TTFT: every lane's tokens
+but its first over the wall time less the TTFT p50, the decode-only figure llama-server
+reports as ``predicted_per_second``. ``--plot DIR`` draws one chart per workload
 (``butter.bench.plot``): tokens/s and TTFT against lanes, one line per setting.
 
     .venv/bin/python bench/speculation.py --plot bench/results --json bench/results/spec.json
@@ -73,8 +75,13 @@ async def wave(url: str, workload: str, lanes: int, data: dict, max_tokens: int)
     ttfts = [r.ttft for r in results if r.ttft is not None]
     drafted = sum(r.timings.get("draft_n", 0) for r in results)
     accepted = sum(r.timings.get("draft_n_accepted", 0) for r in results)
+    ttft = common.median(ttfts)
+    # The rate after the first token (what llama-server's timings call predicted tokens
+    # per second): every lane's tokens but its first over the wall time after TTFT p50.
+    decode = (tokens - lanes) / (wall - ttft) if ttft is not None and wall > ttft else None
     return {"lanes": lanes, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_p50": common.median(ttfts), "peer_drafted": drafted,
+            "decode_tok_s": decode,
+            "ttft_p50": ttft, "peer_drafted": drafted,
             "peer_accepted": accepted}
 
 
@@ -129,7 +136,8 @@ def run_setting(label: str, server: str, flags: list[str], args: argparse.Namesp
 
 def table(rows: list[dict], workload: str) -> Table:
     out = Table(title=f"{workload}: greedy, tokens/s and TTFT by lanes", box=box.SIMPLE_HEAD)
-    for column in ("setting", "lanes", "tok/s", "TTFT p50 ms", "accept", "tok/verify"):
+    for column in ("setting", "lanes", "tok/s", "after TTFT", "TTFT p50 ms", "accept",
+                   "tok/verify"):
         out.add_column(column, justify="left" if column == "setting" else "right")
     for row in rows:
         if row["workload"] != workload:
@@ -137,7 +145,9 @@ def table(rows: list[dict], workload: str) -> Table:
         rate = row["accepted"] / row["drafted"] if row["drafted"] else None
         per = (row["accepted"] + row["verifies"]) / row["verifies"] \
             if row.get("verifies") else None
+        decode = row.get("decode_tok_s")
         out.add_row(row["setting"], str(row["lanes"]), f"{row['tok_s']:.1f}",
+                    "-" if decode is None else f"{decode:.1f}",
                     f"{1000 * (row['ttft_p50'] or 0):.0f}",
                     "-" if rate is None else f"{rate:.2f}",
                     "-" if per is None else f"{per:.2f}")

@@ -125,7 +125,7 @@ def test_a_sure_request_drafts_beside_others_with_the_same_answers(engine_for):
         request = Request(prompt, GenerationParams(max_tokens=60, temperature=0.0), channel)
         engine.submit(request)
         channels.append((request, channel))
-        while len(channels) == 1 and len(model.runtime.verifies) < 2:
+        while len(channels) == 1 and len(model.runtime.verifies) < 3:
             assert not isinstance(channel.get(timeout=10), (Finished, Failed))
     joined = len(model.runtime.verifies)
     for (request, channel), want in zip(channels, expected):
@@ -152,29 +152,32 @@ def test_drafter_proposes_what_followed_the_last_match_and_pauses_after_misses()
     drafter.verified(4, 0)  # nothing accepted: one plain token before looking again
     assert drafter.propose(4) == ()
     drafter.extend([7])
-    assert drafter.propose(4) == (8, 9, 1, 5)
-    drafter.verified(4, 0)
-    drafter.verified(4, 0)  # the pause doubles: 4 plain tokens
-    drafter.extend([1, 2, 3])
+    # What follows the match, as many tokens as the (now lower) acceptance pays for.
+    assert drafter.propose(4) == (8, 9, 1, 5)[:drafter.length(1)] and drafter.length(1)
+    drafter.verified(4, 0)  # the pause doubles: 2 plain tokens
+    drafter.extend([1])
     assert drafter.propose(4) == ()
-    drafter.extend([4])
-    drafter.verified(2, 2)  # an accepted draft clears the penalty
     fresh = Drafter()
     fresh.extend([1, 2, 3])
     assert fresh.propose(4) == ()  # no earlier match: no draft
 
 
 def test_drafts_are_as_long_as_they_pay_for_the_lanes_decoding():
-    sure, unsure = Drafter(max_draft=16), Drafter(max_draft=16)
+    sure, likely, unsure, failing = (Drafter(max_draft=16) for _ in range(4))
+    assert sure.length(1) == 3 and sure.length(4) == 0  # the prior: p = 8/9
     for _ in range(6):
         sure.verified(12, 12)
+        likely.verified(8, 7)
         unsure.verified(4, 1)
-    assert sure.length(1) == 16 and 1 < sure.length(4) < sure.length(1)
-    # Beside other decoding requests a draft also pays for the verify pass it adds:
-    # beside seven, not even a request whose drafts all passed (p = 0.98) drafts; an
-    # unsure one drafts alone only (at least one token, to keep measuring).
-    assert sure.length(8) == 0
-    assert unsure.length(1) == 2 and unsure.length(2) == 0
+        failing.verified(4, 0)
+    # A sure quote drafts as long as a verify may be, even beside seven others (the
+    # verify pass it adds still yields more per row than the pass they share).
+    assert sure.length(1) == sure.length(8) == 16
+    # A likely one drafts a few tokens alone, none beside seven others.
+    assert 1 < likely.length(1) < 16 and likely.length(8) == 0
+    # An unsure one drafts one token alone; one whose drafts all fail stops drafting.
+    assert unsure.length(1) == 1 and unsure.length(2) == 0
+    assert failing.length(1) == 0
 
 
 def test_planner_drafts_only_into_room_the_next_prefill_chunk_does_not_need():

@@ -234,8 +234,8 @@ SPLIT_KV_FREE_CELLS = 256
 ROW_BY_ROW_BELOW = 256
 TILED_MIN_ROWS = FA_ROW_BY_ROW_MAX_ROWS + 1  # ggml-cpu flash attention tiles from 64 rows
 # Drafted tokens one verify feeds at most: with the last token, under the 64 rows from
-# which flash attention tiles.
-MAX_DRAFT = 16
+# which flash attention tiles (the drafter's cost rule keeps most drafts far shorter).
+MAX_DRAFT = FA_ROW_BY_ROW_MAX_ROWS - 1
 
 
 _MAPPINGS_LOGGED: set[str] = set()

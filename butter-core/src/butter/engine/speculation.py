@@ -12,19 +12,22 @@ failing: each verify that accepts nothing doubles the number of tokens it then d
 plainly before it looks again (from 1 up to ``MAX_PAUSE``); a verify that accepts
 something clears the pause.
 
-How many tokens it drafts follows what a drafted row is worth. A verify row costs about
-what one more decode row costs (``ROW_COST``: on SmolLM2 on a CPU a pass is roughly a
-fixed part plus one as large per row), so the i-th draft pays only while the chance
-that it and every draft before it are accepted, ``p ** i``, beats ``worth(lanes)``:
-one half alone, 8/9 beside seven other decoding requests, whose fixed cost is already
-shared. ``p`` is the request's own per-token acceptance, counted over its recent verifies.
+How many tokens it drafts follows what a pass costs: a fixed part plus a part per row,
+the two about equal on SmolLM2 on a CPU (``ROW_COST``, the fixed part over one row's).
+A verify of ``k`` drafts is a pass of ``k + 1`` rows (the last token, then the drafts)
+that yields ``1 + p + ... + p ** k`` tokens on average, ``p`` the request's own
+per-token acceptance, counted over its recent verifies. The request drafts the ``k``
+that yields the most tokens per unit of cost, and only while that beats plain decoding,
+where a token costs one row and its share of a pass shared by ``lanes`` requests. So a
+draft is as long as a sure quote pays for (one wrong guess wastes every row after it)
+and none at all where the drafts keep failing: the acceptance counts decay per verify,
+the prior's too, so a request whose drafts fail stops drafting.
 
 Alone, the verify pass is the step's only pass. Beside other decoding requests it is a
 pass of its own (a stream's rows share a micro-batch with another stream's only in equal
-numbers), so a draft there must also pay for that pass's fixed part: its expected
-accepted tokens must beat ``worth(lanes)`` times its rows plus ``ROW_COST``. Measured on
-the plain workload at 4 and 8 lanes, drafting without that term cost 15-27% against
-none; with it, such a request drafts only near-certain quotes.
+numbers), so it must beat a token's share of the pass everyone shares: beside seven
+others only a near-certain quote drafts. Measured on the plain workload at 4 and 8
+lanes, drafting by the marginal row alone cost 15-27% against none.
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ MAX_DRAFT = 12  # drafted tokens per verify at most
 MAX_PAUSE = 64  # plain tokens after failed verifies, at most
 ROW_COST = 1.0  # a pass's fixed cost over one row's cost (both measured per pass)
 DECAY = 0.8  # the weight the acceptance count keeps per verify
-PRIOR = (8.0, 1.0)  # accepted and rejected tokens assumed before the first verify
+PRIOR = (4.0, 0.5)  # accepted tokens and failed verifies assumed before the first verify
 
 
-def worth(lanes: int) -> float:
-    """The acceptance chance above which one more drafted row pays, with ``lanes``
-    requests decoding together (they share each pass's fixed cost)."""
+def plain_rate(lanes: int) -> float:
+    """Tokens per row's cost that plain decoding yields with ``lanes`` requests sharing
+    each pass."""
     return lanes / (lanes + ROW_COST)
 
 
@@ -57,8 +60,8 @@ class Drafter:
     _penalty: int = 1  # the next pause after a verify that accepted nothing
     drafted: int = 0
     accepted: int = 0
-    _hits: float = 0.0  # accepted tokens, decayed per verify
-    _misses: float = 0.0  # verifies that rejected a token, decayed likewise
+    _hits: float = PRIOR[0]  # accepted tokens, decayed per verify (the prior's too)
+    _misses: float = PRIOR[1]  # verifies that rejected a token, decayed likewise
 
     def extend(self, tokens: list[int]) -> None:
         """Add the context's next tokens (the prompt, then each drawn token)."""
@@ -83,22 +86,21 @@ class Drafter:
     @property
     def acceptance(self) -> float:
         """The chance that a drafted token is accepted, given the one before it was."""
-        hits, misses = self._hits + PRIOR[0], self._misses + PRIOR[1]
-        return hits / (hits + misses)
+        return self._hits / (self._hits + self._misses)
 
     def length(self, lanes: int) -> int:
-        """How many drafted tokens pay with ``lanes`` requests decoding: alone at least
-        one (so a request keeps learning its acceptance); beside others none unless the
-        draft also pays for the verify pass it adds."""
-        p, floor = self.acceptance, worth(lanes)
-        count, chance, expected = 0, p, 0.0
-        while chance > floor and count < self.max_draft:
-            count += 1
-            expected += chance
+        """The draft length that yields the most tokens per unit of pass cost with
+        ``lanes`` requests decoding, or 0 where no length beats plain decoding."""
+        p = self.acceptance
+        best, best_rate = 0, plain_rate(lanes)
+        expected, chance = 1.0, 1.0  # tokens a verify of ``count`` drafts yields
+        for count in range(1, self.max_draft + 1):
             chance *= p
-        if lanes <= 1:
-            return max(count, 1)
-        return count if expected > floor * (count + ROW_COST) else 0
+            expected += chance
+            rate = expected / (ROW_COST + count + 1)
+            if rate > best_rate:
+                best, best_rate = count, rate
+        return best
 
     def propose(self, limit: int, lanes: int = 1) -> tuple[int, ...]:
         """Up to ``limit`` tokens that followed the latest earlier match of the context's
