@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import reference_llama
 from support.tiny_qwen35 import ADDED_TOKENS, llama_cpp_dir
 
 
@@ -87,10 +88,8 @@ def test_folder_is_the_real_layout(tiny_qwen35_folder, tiny_qwen35_moe_folder):
                                      "tiny_qwen35_gguf_q4", "tiny_qwen35_moe_gguf",
                                      "tiny_qwen35_moe_gguf_q4"])
 def test_llama_cpp_loads_each_gguf(request, fixture):
-    import llama_cpp
-
     path = request.getfixturevalue(fixture)
-    model = llama_cpp.Llama(str(path), n_ctx=256, verbose=False)
+    model = reference_llama(path, n_ctx=256)
     architecture = "qwen35moe" if "moe" in fixture else "qwen35"
     assert model.metadata["general.architecture"] == architecture
     out = model.create_completion("Hello", max_tokens=4, temperature=0)

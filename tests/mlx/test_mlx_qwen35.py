@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import reference_llama
 
 from butter.library import Model
 
@@ -29,9 +30,7 @@ def _mlx_logits(folder: Path) -> np.ndarray:
 
 
 def _llama_logits(gguf: Path) -> np.ndarray:
-    import llama_cpp
-
-    model = llama_cpp.Llama(str(gguf), n_ctx=256, logits_all=True, verbose=False)
+    model = reference_llama(gguf, n_ctx=256, logits_all=True)
     model.eval(PROMPT)
     return np.array(model.scores[:len(PROMPT)])
 
