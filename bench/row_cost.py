@@ -24,9 +24,11 @@ butter always runs such a row alone).
 
 ``--prefill N`` times instead one prompt of N tokens read into a fresh one-stream
 context (8,192 cells, as ``--parallel 1``) in three ways, median of ``--reps``: in
-512-row passes (llama-server's micro-batch), in 256-row passes, and as butter's GGUF
-back end reads it (positions below 256 in passes of at most 63 rows, later ones in
-``--chunk``-row passes): where a long prompt's time goes, without either server.
+512-row passes (llama-server's micro-batch), as butter's GGUF back end reads it
+(``--chunk``-row passes, the last filled to 64 rows so that ggml's flash attention
+tiles it), and as butter read it before (positions below 256 in passes of at most 63
+rows, row by row, later ones in ``--chunk``-row passes): where a prompt's time goes,
+without either server.
 """
 
 from __future__ import annotations
@@ -105,13 +107,18 @@ def open_context(model, streams: int, cells: int, threads: int):
     return ctx, ll.llama_get_memory(ctx)
 
 
-def pieces(length: int, first: int, size: int, head: int = 0) -> list[list[tuple]]:
+def pieces(length: int, first: int, size: int, head: int = 0,
+           least: int = 0) -> list[list[tuple]]:
     """Prompt rows ``0..length`` of stream 0 in passes: ``head`` positions in passes of
-    at most ``first`` rows, then passes of ``size`` rows."""
+    at most ``first`` rows, then passes of ``size`` rows, each of those at least
+    ``least`` rows (filler positions past the prompt)."""
     cuts, at = [], 0
     while at < length:
         step = min(first, head - at) if at < head else size
-        cuts.append([(0, 1000 + i % 500, i, False) for i in range(at, min(length, at + step))])
+        end = min(length, at + step)
+        if at >= head:
+            end = max(end, at + least)
+        cuts.append([(0, 1000 + i % 500, i, False) for i in range(at, end)])
         at += step
     return cuts
 
@@ -119,8 +126,9 @@ def pieces(length: int, first: int, size: int, head: int = 0) -> list[list[tuple
 def prefill(model, args: argparse.Namespace) -> None:
     ctx, memory = open_context(model, 1, 8192, args.threads)
     ways = {"512-row passes (llama-server)": pieces(args.prefill, 512, 512),
-            "256-row passes": pieces(args.prefill, 256, 256),
-            f"butter: 63-row passes to 256, then {args.chunk}": pieces(
+            f"butter: {args.chunk}-row passes, at least 64": pieces(
+                args.prefill, args.chunk, args.chunk, least=64),
+            f"butter before: 63 to 256, then {args.chunk}": pieces(
                 args.prefill, 63, args.chunk, head=256)}
     print(f"SmolLM2-135M Q4_1, {args.threads} threads, one {args.prefill}-token prompt")
     reps = max(3, args.reps // 5)
@@ -139,7 +147,7 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="time one N-token prompt's prefill instead (see above)")
     parser.add_argument("--chunk", type=int, default=256,
-                        help="--prefill: butter's passes after position 256")
+                        help="--prefill: butter's prefill chunk (--prefill-chunk)")
     args = parser.parse_args()
     ll.llama_log_set(_quiet, ctypes.c_void_p(0))
     ll.llama_backend_init()

@@ -228,10 +228,6 @@ class GGUFModel:
 # ggml-cpu's flash attention splits a lone row's keys across threads from 512 cells on;
 # llama.cpp reads a stream's cells in multiples of 256, so 256 filled cells stay below.
 SPLIT_KV_FREE_CELLS = 256
-# Prompt positions below this go row by row, later ones tiled (``_prefill`` cuts chunks
-# there). Under 256 cells both paths cost the same per row on SmolLM2 here, and row by
-# row needs no filler; further on, the tiled path attends faster.
-ROW_BY_ROW_BELOW = 256
 TILED_MIN_ROWS = FA_ROW_BY_ROW_MAX_ROWS + 1  # ggml-cpu flash attention tiles from 64 rows
 # Drafted tokens one verify feeds at most: with the last token, under the 64 rows from
 # which flash attention tiles (the drafter's cost rule keeps most drafts far shorter).
@@ -559,35 +555,29 @@ class GGUFRuntime:
         self._lengths[session] = length - discard
 
     def _prefill(self, item: Work, body: Sequence[int]) -> None:
-        """Feed a chunk (no logits), each prompt position on the attention path its
-        absolute position names, so it is computed the same in whichever chunk it falls.
+        """Feed a chunk (no logits), every prompt position on ggml's tiled flash
+        attention path, so it is computed the same in whichever chunk it falls.
 
         ggml's CPU flash attention sums differently for passes under 64 rows of a stream
-        (row by row: each row alone, whatever else the pass holds) and from 64 on (tiled,
-        the same whatever the tiling). Positions below ``ROW_BY_ROW_BELOW`` go row by row,
-        in passes of at most 63 rows: a short prompt, or the few tokens after a cached
-        prefix, costs only its own rows. Later positions go tiled, where long contexts
-        attend faster; a tiled piece under 64 rows gets filler rows after it (later
-        positions: causal attention hides them from the piece) whose cells go at once.
-        A quantized cache has no tiled path: the whole chunk goes in one pass."""
+        (row by row: each row alone) and from 64 on (tiled, the same whatever the
+        tiling). Row by row is also slower from the first few dozen cells on: one
+        150-token prompt took 540 ms in 63-row passes against 420 ms tiled, one
+        256-token prompt 1.05 s against 0.76 s (SmolLM2 Q4_1, 2 threads,
+        bench/row_cost.py --prefill). So every chunk goes tiled; one under 64 rows (a
+        short prompt, or the few tokens after a cached prefix) gets filler rows after it
+        (later positions: causal attention hides them from the chunk) whose cells go at
+        once. That costs a short prompt up to one 64-row pass (about 180 ms here, against
+        65 ms row by row for 20 tokens). A quantized cache has no tiled path: the whole
+        chunk goes in one pass."""
         if self._snapshots is not None:
             self._read_recurrent(item, body)
             return
-        if self._one_path:  # every row reads its cells one by one, in any pass
-            if body:
-                self._decode([item], [(item, body, False)])
+        if not body:
             return
-        session = item.session
-        done = 0
-        while done < len(body):
-            start = self._lengths[session]
-            if start < ROW_BY_ROW_BELOW:
-                piece = body[done:done + min(FA_ROW_BY_ROW_MAX_ROWS, ROW_BY_ROW_BELOW - start)]
-                self._decode([item], [(item, piece, False)])
-            else:
-                piece = body[done:]
-                self._tiled(item, piece)
-            done += len(piece)
+        if self._one_path:  # every row reads its cells one by one, in any pass
+            self._decode([item], [(item, body, False)])
+            return
+        self._tiled(item, body)
 
     def _read_recurrent(self, item: Work, tokens: Sequence[int], *,
                         sample: bool = False) -> int | None:
