@@ -25,10 +25,10 @@ butter always runs such a row alone).
 ``--prefill N`` times instead one prompt of N tokens read into a fresh one-stream
 context (8,192 cells, as ``--parallel 1``) in three ways, median of ``--reps``: in
 512-row passes (llama-server's micro-batch), as butter's GGUF back end reads it
-(``--chunk``-row passes, the last filled to 64 rows so that ggml's flash attention
-tiles it), and as butter read it before (positions below 256 in passes of at most 63
-rows, row by row, later ones in ``--chunk``-row passes): where a prompt's time goes,
-without either server.
+(positions below 63 in one pass, row by row, then ``--chunk``-row passes, each filled
+to 64 rows so that ggml's flash attention tiles it), and as butter read it before
+(positions below 256 in passes of at most 63 rows, later ones in ``--chunk``-row
+passes): where a prompt's time goes, without either server.
 """
 
 from __future__ import annotations
@@ -110,11 +110,12 @@ def open_context(model, streams: int, cells: int, threads: int):
 def pieces(length: int, first: int, size: int, head: int = 0,
            least: int = 0) -> list[list[tuple]]:
     """Prompt rows ``0..length`` of stream 0 in passes: ``head`` positions in passes of
-    at most ``first`` rows, then passes of ``size`` rows, each of those at least
-    ``least`` rows (filler positions past the prompt)."""
+    at most ``first`` rows, then passes ending at multiples of ``size`` (as butter's
+    chunks end), each of those at least ``least`` rows (filler positions past the
+    prompt)."""
     cuts, at = [], 0
     while at < length:
-        step = min(first, head - at) if at < head else size
+        step = min(first, head - at) if at < head else size - at % size
         end = min(length, at + step)
         if at >= head:
             end = max(end, at + least)
@@ -126,8 +127,8 @@ def pieces(length: int, first: int, size: int, head: int = 0,
 def prefill(model, args: argparse.Namespace) -> None:
     ctx, memory = open_context(model, 1, 8192, args.threads)
     ways = {"512-row passes (llama-server)": pieces(args.prefill, 512, 512),
-            f"butter: {args.chunk}-row passes, at least 64": pieces(
-                args.prefill, args.chunk, args.chunk, least=64),
+            f"butter: 63, then {args.chunk} (64 at least)": pieces(
+                args.prefill, 63, args.chunk, head=63, least=64),
             f"butter before: 63 to 256, then {args.chunk}": pieces(
                 args.prefill, 63, args.chunk, head=256)}
     print(f"SmolLM2-135M Q4_1, {args.threads} threads, one {args.prefill}-token prompt")

@@ -229,6 +229,8 @@ class GGUFModel:
 # llama.cpp reads a stream's cells in multiples of 256, so 256 filled cells stay below.
 SPLIT_KV_FREE_CELLS = 256
 TILED_MIN_ROWS = FA_ROW_BY_ROW_MAX_ROWS + 1  # ggml-cpu flash attention tiles from 64 rows
+# Prompt positions below this go row by row (at most one pass of them), later ones tiled.
+ROW_BY_ROW_BELOW = FA_ROW_BY_ROW_MAX_ROWS
 # Drafted tokens one verify feeds at most: with the last token, under the 64 rows from
 # which flash attention tiles (the drafter's cost rule keeps most drafts far shorter).
 MAX_DRAFT = FA_ROW_BY_ROW_MAX_ROWS - 1
@@ -555,20 +557,23 @@ class GGUFRuntime:
         self._lengths[session] = length - discard
 
     def _prefill(self, item: Work, body: Sequence[int]) -> None:
-        """Feed a chunk (no logits), every prompt position on ggml's tiled flash
-        attention path, so it is computed the same in whichever chunk it falls.
+        """Feed a chunk (no logits), each prompt position on the attention path its
+        absolute position names, so it is computed the same in whichever chunk it falls.
 
         ggml's CPU flash attention sums differently for passes under 64 rows of a stream
         (row by row: each row alone) and from 64 on (tiled, the same whatever the
-        tiling). Row by row is also slower from the first few dozen cells on: one
-        150-token prompt took 540 ms in 63-row passes against 420 ms tiled, one
-        256-token prompt 1.05 s against 0.76 s (SmolLM2 Q4_1, 2 threads,
-        bench/row_cost.py --prefill). So every chunk goes tiled; one under 64 rows (a
-        short prompt, or the few tokens after a cached prefix) gets filler rows after it
-        (later positions: causal attention hides them from the chunk) whose cells go at
-        once. That costs a short prompt up to one 64-row pass (about 180 ms here, against
-        65 ms row by row for 20 tokens). A quantized cache has no tiled path: the whole
-        chunk goes in one pass."""
+        tiling). Positions below ``ROW_BY_ROW_BELOW`` (63) go row by row, in one pass: a
+        short prompt costs only its own rows. Later positions go tiled; a tiled piece
+        under 64 rows (a prompt of 65 to 127 tokens, or the tokens after a cached prefix)
+        gets filler rows after it (later positions: causal attention hides them from the
+        piece) whose cells go at once, so it costs one 64-row pass.
+
+        Row by row is the cheaper way only for the first few dozen positions: past
+        them it costs more per row the more cells a row reads. One 256-token prompt took
+        0.98 s read row by row to position 256 (in 63-row passes), 0.70 s as read here
+        and 0.67 s in one pass; a 20-token prompt 57 ms as read here, 166 ms tiled with
+        filler (SmolLM2 Q4_1, 2 threads; bench/row_cost.py --prefill N). A quantized
+        cache has no tiled path: the whole chunk goes in one pass."""
         if self._snapshots is not None:
             self._read_recurrent(item, body)
             return
@@ -577,7 +582,12 @@ class GGUFRuntime:
         if self._one_path:  # every row reads its cells one by one, in any pass
             self._decode([item], [(item, body, False)])
             return
-        self._tiled(item, body)
+        start = self._lengths[item.session]
+        rows = max(0, min(len(body), ROW_BY_ROW_BELOW - start))
+        if rows:
+            self._decode([item], [(item, body[:rows], False)])
+        if rows < len(body):
+            self._tiled(item, body[rows:])
 
     def _read_recurrent(self, item: Work, tokens: Sequence[int], *,
                         sample: bool = False) -> int | None:
