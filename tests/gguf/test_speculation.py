@@ -25,7 +25,7 @@ PARAGRAPH = ("The lighthouse stood on a spit of black rock at the mouth of the h
              "white beam sweeping the water.")
 QUOTE = "Repeat this paragraph exactly, word for word:\n\n" + PARAGRAPH
 MODES = {"greedy": {"temperature": 0.0},
-         "seeded": {"temperature": 0.8, "seed": 1234, "top_k": 40, "top_p": 0.95}}
+         "seeded": {"temperature": 0.8, "seed": 42, "top_k": 40, "top_p": 0.95}}
 MAX_TOKENS = 90
 PREAMBLE = " ".join(f"Note {n}: the tide table for day {n} was filed by the harbour "
                     f"office." for n in range(1, 31))
