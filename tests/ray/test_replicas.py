@@ -292,7 +292,10 @@ def test_a_replica_killed_mid_stream(cluster):
     async def stream(client: httpx.AsyncClient, index: int, started: asyncio.Event,
                      ready: list) -> list[str]:
         # The eight tenants of the routing test: their prefixes sit on both replicas.
-        body = {"model": "smollm2", "stream": True, "max_tokens": 120, "ignore_eos": True,
+        # Long enough that no stream ends before the last has started: a replica whose
+        # streams read their prompts from cache once finished 120 tokens before the
+        # other's cold ones began (CI, active 5 and 0 at the kill).
+        body = {"model": "smollm2", "stream": True, "max_tokens": 480, "ignore_eos": True,
                 "temperature": 0,
                 "messages": [{"role": "system", "content": tenant_prompt(index)},
                              {"role": "user", "content": "Tell a long story."}]}
@@ -321,7 +324,7 @@ def test_a_replica_killed_mid_stream(cluster):
             assert all(active.values()), active  # streams on both: one set must live on
             victim = max(active, key=active.get)
             os.kill(replicas[victim], signal.SIGKILL)
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
             return results, {"victim": victim, "active": active}
 
     results, facts = asyncio.run(run())
