@@ -41,7 +41,7 @@ import time
 import llama_cpp as ll
 
 from butter.resolvers import shipped_model_path
-from butter_backend_gguf.native import cpu_has_amx
+from butter_backend_gguf.native import model_params
 
 STREAMS = 8
 FILLED = 100  # tokens already in every stream
@@ -152,10 +152,8 @@ def main() -> int:
     args = parser.parse_args()
     ll.llama_log_set(_quiet, ctypes.c_void_p(0))
     ll.llama_backend_init()
-    model_params = ll.llama_model_default_params()
-    if cpu_has_amx():  # as both servers run here (butter's GGUF back end, --no-repack)
-        model_params.use_extra_bufts = False
-    model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params)
+    # As both servers run here (butter's GGUF back end; llama-server --no-repack on AMX).
+    model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params())
     if args.prefill:
         prefill(model, args)
         ll.llama_model_free(model)

@@ -16,23 +16,14 @@ COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "grey")
 
 
 def reference_llama(path: Path, **settings):
-    """llama-cpp-python's own ``Llama`` on ``path``, as a reference to compare with. On a
-    CPU with AMX its extra weight buffers stay off, as butter keeps them off: the pinned
-    ggml's AMX matmul segfaults on multi-token batches of quantized weights."""
+    """llama-cpp-python's own ``Llama`` on ``path``, as a reference to compare with, on
+    the model parameters butter loads with (on a CPU with AMX, no extra weight buffers:
+    the pinned ggml's AMX matmul segfaults on multi-token batches of quantized weights)."""
     import llama_cpp
 
-    from butter_backend_gguf.native import cpu_has_amx
+    from butter_backend_gguf.native import model_params
 
-    defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-    def plain_buffers():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    if not cpu_has_amx():
-        return llama_cpp.Llama(str(path), verbose=False, **settings)
-    with mock.patch.object(llama_cpp.llama_cpp, "llama_model_default_params", plain_buffers):
+    with mock.patch.object(llama_cpp.llama_cpp, "llama_model_default_params", model_params):
         return llama_cpp.Llama(str(path), verbose=False, **settings)
 
 

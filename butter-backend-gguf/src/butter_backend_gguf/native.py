@@ -81,14 +81,22 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def load_model(resolved: ResolvedModel, *, threads: int | None) -> GGUFModel:
-    _ensure_backend()
+def model_params():
+    """llama.cpp's default model parameters, its extra weight buffer types off on a CPU
+    with AMX: the pinned ggml's AMX weight buffers segfault in ggml_backend_amx_mul_mat
+    on multi-token batches (ggml-org/llama.cpp#20824; reproduced here on SmolLM2 Q4_1
+    with any prompt over one token, and on a Q8_0 Qwen3.5), so weights stay in plain CPU
+    buffers."""
     params = ll.llama_model_default_params()
     if cpu_has_amx():
-        # The pinned ggml's AMX weight buffers segfault in ggml_backend_amx_mul_mat on
-        # multi-token batches (ggml-org/llama.cpp#20824; reproduced here on SmolLM2 Q4_1
-        # with any prompt over one token), so weights stay in plain CPU buffers.
         params.use_extra_bufts = False
+    return params
+
+
+def load_model(resolved: ResolvedModel, *, threads: int | None) -> GGUFModel:
+    _ensure_backend()
+    params = model_params()
+    if not params.use_extra_bufts:
         log.info("CPU has AMX: llama.cpp's extra weight buffer types are off (AMX crashes)")
     _recent_errors.clear()
     handle = ll.llama_model_load_from_file(str(resolved.path).encode(), params)
