@@ -95,3 +95,29 @@ def test_a_small_step_takes_what_fits():
     assert run(planner, [record]) == {record.id: 8}
     assert run(planner, [record]) == {record.id: 8}
     assert run(planner, [record]) == {record.id: 4} and record.phase is Phase.DECODE
+
+
+def test_prompts_that_arrive_together_end_one_after_another():
+    # As in llama-server and vLLM: the first ones get their first token early, instead of
+    # every prompt advancing a chunk a round and all of them ending near the end.
+    planner = Planner(max_batch=512, prefill_chunk=256)
+    lanes = [request(1100, seq=i) for i in range(8)]
+    ended_at = {}
+    step = 0
+    while len(ended_at) < len(lanes):
+        step += 1
+        run(planner, lanes)
+        ended_at.update({r.id: step for r in lanes
+                         if r.phase is Phase.DECODE and r.id not in ended_at})
+    order = sorted(lanes, key=lambda r: ended_at[r.id])
+    assert order == lanes  # ties go to the earlier request
+    last = ended_at[lanes[7].id]
+    assert ended_at[lanes[0].id] * 5 <= last and ended_at[lanes[3].id] * 2 <= last
+
+
+def test_a_long_prompt_behind_shorter_ones_goes_first_once_its_patience_ends():
+    planner = Planner(max_batch=512, prefill_chunk=256, patience=3)
+    long = request(2000, seq=0)
+    shorter = [request(1000, seq=1), request(1000, seq=2)]
+    fed = [run(planner, [long, *shorter]).get(long.id, 0) for _ in range(4)]
+    assert fed == [0, 0, 0, 256]  # three waits, then first

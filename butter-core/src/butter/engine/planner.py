@@ -11,12 +11,17 @@ The rules:
 - Prefill chunks end at multiples of ``prefill_chunk`` (absolute positions), whatever else
   runs: a prompt is cut the same way alone or batched, so its cache is computed the same
   way.
-- The shortest prompt left goes first. Tokens leave only when the whole step is done, so
-  a step that ends some prompt (its first token) takes no chunk of a longer one: short
-  requests beside a long one wait for their own prompts only.
-- Nothing waits twice in a row. A chunk that waited goes first in the next step; when
-  decoding rows fill the step, prefill still advances by at least one chunk (cut to half
-  the step at most) and the decoding rows that did not fit go first in the next step.
+- The prompt with the fewest tokens left goes first (ties: the earlier request). Tokens
+  leave only when the whole step is done, so a step that ends some prompt (its first
+  token) takes no chunk of a longer one: short requests beside a long one wait for their
+  own prompts only. Prompts that arrive together so end one after another, as in
+  llama-server and vLLM, instead of all near the end (which sharing every step round by
+  round gave): eight 1,100-token prompts got their median first token about 10% later
+  than llama-server's that way.
+- Nothing starves. A prompt that waited ``patience`` steps in a row goes first, before
+  shorter ones; when decoding rows fill the step, prefill still advances by at least one
+  chunk (cut to half the step at most) and the decoding rows that did not fit go first in
+  the next step, so no decoding row waits twice in a row.
 """
 
 from __future__ import annotations
@@ -46,14 +51,17 @@ class Planner:
     mask: Callable[[Request], object | None] = lambda request: None
     # Up to ``limit`` drafted tokens to verify after a decoding request's last token.
     draft: Callable[[Request, int], tuple[int, ...]] = lambda request, limit: ()
+    # Steps in a row a prompt may wait for shorter ones before it goes first.
+    patience: int = 64
     _waited: set[int] = attrs.field(factory=set)  # request ids that waited last step
+    _waits: dict[int, int] = attrs.field(factory=dict)  # prompts' waits in a row
 
     def tick(self, active: Sequence[Request]) -> list[Planned]:
         """The work of the next step for ``active`` (in their order)."""
         decoding = [r for r in active if r.phase is Phase.DECODE]
         prefilling = [r for r in active if r.phase is Phase.PREFILL]
-        prefilling.sort(key=lambda r: (r.id not in self._waited,
-                                       len(r.prompt_tokens) - r.next_prefill))
+        prefilling.sort(key=lambda r: (self._waits.get(r.id, 0) < self.patience,
+                                       len(r.prompt_tokens) - r.next_prefill, r.id))
         size = max(1, min(self.prefill_chunk, self.max_batch))
         # Room kept for one chunk when decoding rows would take the whole step.
         reserve = min(self._chunk(prefilling[0], size), max(1, self.max_batch // 2)) \
@@ -96,6 +104,8 @@ class Planner:
                                               request.sampler if last else None,
                                               self.mask(request) if last else None)))
         self._waited = waited
+        self._waits = {r.id: self._waits.get(r.id, 0) + 1 for r in prefilling
+                       if r.id in waited}
         return plan
 
     @staticmethod
