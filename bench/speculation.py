@@ -14,6 +14,11 @@ but its first over the wall time less the TTFT p50, the decode-only figure llama
 reports as ``predicted_per_second``. ``--plot DIR`` draws one chart per workload
 (``butter.bench.plot``): tokens/s and TTFT against lanes, one line per setting.
 
+``--rounds N`` runs the whole list of settings N times, in reverse order every other
+round (so load that drifts lands on both sides), and reports each figure as its median
+over the rounds, then the ratios that the issue's targets name, each the median of its
+per-round ratios: butter on/off, butter on/llama-server default, and the A/A pair.
+
     .venv/bin/python bench/speculation.py --plot bench/results --json bench/results/spec.json
 """
 
@@ -154,21 +159,77 @@ def table(rows: list[dict], workload: str) -> Table:
     return out
 
 
+# (label, numerator setting, denominator setting) of the ratios --rounds reports.
+RATIOS = (("on / off", "butter spec on", "butter spec off"),
+          ("on / llama-server default", "butter spec on", "llama-server default"),
+          ("A/A: on / on again", "butter spec on", "butter spec on (A/A)"))
+MEDIAN_FIELDS = ("tokens", "wall_s", "tok_s", "decode_tok_s", "ttft_p50", "drafted",
+                 "accepted", "verifies")
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per workload, setting and lanes: each figure's median over the rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["workload"], row["setting"], row["lanes"]), []).append(row)
+    merged = []
+    for group in groups.values():
+        row = dict(group[0])
+        for field in MEDIAN_FIELDS:
+            values = [r[field] for r in group if r.get(field) is not None]
+            row[field] = common.median(values) if values else None
+        row["rounds"] = len(group)
+        merged.append(row)
+    return merged
+
+
+def ratio_table(rows: list[dict], workload: str) -> Table:
+    """Tokens/s ratios, each the median of its per-round ratios, with every round's."""
+    by = {(r["setting"], r["lanes"], r.get("round", 0)): r["tok_s"] for r in rows
+          if r["workload"] == workload}
+    lanes = sorted({lanes for _, lanes, _ in by})
+    rounds = sorted({round_ for _, _, round_ in by})
+    out = Table(title=f"{workload}: tok/s ratios, median of per-round ratios",
+                box=box.SIMPLE_HEAD)
+    for column in ("ratio", "lanes", "median", "rounds"):
+        out.add_column(column, justify="left" if column in ("ratio", "rounds") else "right")
+    for name, top, bottom in RATIOS:
+        for n in lanes:
+            per = [by[top, n, r] / by[bottom, n, r] for r in rounds
+                   if (top, n, r) in by and by.get((bottom, n, r))]
+            if per:
+                out.add_row(name, str(n), f"{common.median(per):.3f}",
+                            " ".join(f"{x:.2f}" for x in per))
+    return out
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
-    """Every setting in turn; with ``--json`` the rows are saved after each one."""
+    """Every setting in turn (``--rounds`` times, every other round in reverse order);
+    with ``--json`` the rows are saved after each one."""
     data = json.loads(DATA.read_text())
     logs = common.log_dir(args)
     rows: list[dict] = []
-    for label, server, flags in settings(args):
-        if args.only and server != args.only or args.settings and label not in args.settings:
-            continue
-        rows += run_setting(label, server, flags, args, data, logs)
-        if args.json:  # after each setting: a late failure keeps what ran
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"max_tokens": args.max_tokens,
-                                            "kv_cache": args.kv_cache, "rows": rows},
-                                            indent=1) + "\n")
+    chosen = [(label, server, flags) for label, server, flags in settings(args)
+              if not (args.only and server != args.only
+                      or args.settings and label not in args.settings)]
+    for round_index in range(args.rounds):
+        order = chosen if round_index % 2 == 0 else chosen[::-1]
+        for label, server, flags in order:
+            ran = run_setting(label, server, flags, args, data, logs)
+            if args.rounds > 1:
+                for row in ran:
+                    row["round"] = round_index
+            rows += ran
+            _save(args, rows)
     return rows
+
+
+def _save(args: argparse.Namespace, rows: list[dict]) -> None:
+    if args.json:  # after each setting: a late failure keeps what ran
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"max_tokens": args.max_tokens,
+                                         "kv_cache": args.kv_cache, "rows": rows},
+                                        indent=1) + "\n")
 
 
 def main() -> None:
@@ -191,6 +252,9 @@ def main() -> None:
     parser.add_argument("--only", choices=("butter", "peer"), help="one server's settings")
     parser.add_argument("--settings", type=lambda t: t.split(","), default=None,
                         help="run only these settings (labels, comma-separated)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every setting this many times (alternating order); "
+                             "report medians")
     parser.add_argument("--log-dir", type=Path)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, metavar="DIR", help="charts, one per workload")
@@ -205,6 +269,11 @@ def main() -> None:
         args.workloads = list(dict.fromkeys(row["workload"] for row in rows))
     else:
         rows = measure(args)
+    rounds = max((row.get("round", 0) for row in rows), default=0) + 1
+    if rounds > 1:
+        for workload in args.workloads:
+            common.console.print(ratio_table(rows, workload))
+        rows = medians(rows)
     for workload in args.workloads:
         common.console.print(table(rows, workload))
         if args.plot:
