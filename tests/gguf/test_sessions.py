@@ -315,6 +315,39 @@ def read_stream(server: ServerProcess, body: dict, hang_up_after: int | None = N
     return finish, "".join(text)
 
 
+def chunk_times(server: ServerProcess, body: dict) -> list[float]:
+    """Stream ``body``: when each content chunk arrived (monotonic seconds)."""
+    times = []
+    with httpx.stream("POST", server.base_url + CHAT, json={**body, "stream": True},
+                      timeout=600) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {") and any(
+                    choice["delta"].get("content")
+                    for choice in json.loads(line[6:])["choices"]):
+                times.append(time.monotonic())
+    return times
+
+
+def test_prompts_that_arrive_together_are_answered_one_after_another(eight_lanes):
+    """Six new ~560-token prompts at once (three chunks each): the first ones finish
+    their whole answer before the last one has its first token, as llama-server serves
+    its slots, instead of every prompt advancing a chunk a round and all answering at
+    the end."""
+    eight_lanes.wait_idle()
+    words = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "granite", "harbor")
+    bodies = [chat_body(f"Record {lane}: " + " ".join(words[(lane + i * 3) % 8]
+                                                        for i in range(550)),
+                        max_tokens=6, ignore_eos=True, temperature=0)
+              for lane in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        lanes = list(pool.map(lambda body: chunk_times(eight_lanes, body), bodies))
+    assert all(len(times) == 6 for times in lanes), [len(times) for times in lanes]
+    last_first = max(times[0] for times in lanes)
+    done_before = sum(times[-1] < last_first for times in lanes)
+    assert done_before >= 2, [[round(t - last_first, 2) for t in times] for times in lanes]
+
+
 def test_eight_streamed_conversations_end_and_leave_nothing_held(eight_lanes):
     """Eight streamed conversations at once, each with a system prompt of its own past a
     stream's first 256 cells, three turns: the later turns reuse each conversation's cache,
