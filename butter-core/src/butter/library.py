@@ -37,6 +37,7 @@ from butter.chat.request import ChatRequest, parse_messages, parse_tools
 from butter.chat.template import ChatTemplate
 from butter.engine.constraint import Constraint, Grammars
 from butter.engine.events import SyncChannel
+from butter.engine.planner import PREFILL_CHUNK
 from butter.engine.records import Request
 from butter.engine.scheduler import Engine, EngineConfig
 from butter.errors import (
@@ -149,7 +150,7 @@ class Model:
         return self.backend.name
 
     def engine_config(self, *, parallel: int = 1, capacity: int | None = None,
-                      prefill_chunk: int = 256, kv: KVSpec | None = None,
+                      prefill_chunk: int = PREFILL_CHUNK, kv: KVSpec | None = None,
                       options: Mapping[str, object] | None = None,
                       speculation: str = "ngram") -> EngineConfig:
         """The engine settings for this model (``butter serve``'s flags); ``options`` are

@@ -20,6 +20,7 @@ from butter.chat.answer import Answer, AnswerReader
 from butter.chat.recovery import Delta, ToolCall
 from butter.chat.request import ChatRequest
 from butter.engine.events import Admitted, AsyncChannel, Failed
+from butter.engine.planner import PREFILL_CHUNK
 from butter.engine.records import Request
 from butter.errors import (
     ButterError,
@@ -230,7 +231,7 @@ class ButterServeBackend:
 
     def __init__(self, model: Model, *, model_id: str | None = None,
                  maximum_concurrent_requests: int = 1, max_context: int | None = None,
-                 prefill_chunk: int = 256, kv: KVSpec | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, kv: KVSpec | None = None,
                  backend_options: Mapping[str, Mapping[str, object]] | None = None,
                  enable_thinking: bool | None = None,
                  reasoning_effort: str | None = None, speculation: str = "ngram") -> None:

@@ -22,6 +22,7 @@ from butter.cli.common import (
     port,
     positive,
 )
+from butter.engine.planner import PREFILL_CHUNK
 from butter.errors import ButterError
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=positive, default=None,
                        help="CPU threads for back ends that set them (default: all)")
     serve.add_argument("--backend", default=None, help="back end name (default: by model type)")
-    serve.add_argument("--prefill-chunk", type=positive, default=256,
+    serve.add_argument("--prefill-chunk", type=positive, default=PREFILL_CHUNK,
                        help=f"prompt tokens per prefill chunk, at most {MAX_BATCH}; chunks "
                             "start at multiples of it whatever else runs")
     serve.add_argument("--speculation", choices=("none", "ngram", "mtp"), default="ngram",

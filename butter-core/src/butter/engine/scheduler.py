@@ -37,7 +37,7 @@ from butter.backend import (
 from butter.engine.admission import Admission
 from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta
 from butter.engine.metrics import Gauges, Metrics
-from butter.engine.planner import Planner
+from butter.engine.planner import PREFILL_CHUNK, Planner
 from butter.engine.records import Phase, Request, Session
 from butter.engine.speculation import Drafter
 from butter.engine.text import StopMatcher
@@ -56,7 +56,7 @@ class EngineConfig:
     # widens the unified cache each pass attends over, so only a couple are kept.
     n_sessions: int = 0
     max_batch: int = 512  # tokens one step may feed across sessions
-    prefill_chunk: int = 256  # prefill chunks end at multiples of it
+    prefill_chunk: int = PREFILL_CHUNK  # prefill chunks end at multiples of it
     kv: KVSpec = KVSpec()
     # ``ngram``: requests draft from their own context (prompt lookup) where the runtime
     # verifies exactly; ``mtp``: from the checkpoint's own multi-token-prediction head
