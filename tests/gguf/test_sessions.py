@@ -330,10 +330,10 @@ def chunk_times(server: ServerProcess, body: dict) -> list[float]:
 
 
 def test_prompts_that_arrive_together_are_answered_one_after_another(eight_lanes):
-    """Six new ~560-token prompts at once (three chunks each): the first ones finish
-    their whole answer before the last one has its first token, as llama-server serves
-    its slots, instead of every prompt advancing a chunk a round and all answering at
-    the end."""
+    """Six new prompts of over 550 tokens at once (more than one prefill chunk each):
+    the first ones finish their whole answer before the last one has its first token,
+    as llama-server serves its slots, instead of every prompt advancing a chunk a round
+    and all answering at the end."""
     eight_lanes.wait_idle()
     words = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "granite", "harbor")
     bodies = [chat_body(f"Record {lane}: " + " ".join(words[(lane + i * 3) % 8]
