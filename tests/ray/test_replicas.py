@@ -162,17 +162,17 @@ def test_tenants_stay_on_the_replica_holding_their_prefix(cluster):
     after = cluster.cluster()
     decided = {k: v - before.get(k, 0) for k, v in after.items()
                if k.startswith("butter_router_decisions_total")}
-    # Every later turn was routed to the replica holding the tenant's prefix ... One
-    # of the 16 is tolerated: a CI run (a loaded machine, the whole suite before it)
-    # once routed one later turn as a new tenant (15 affinity, 9 new); not reproduced
-    # here, under load or not. The replicas are named in the message to tell a replaced
-    # replica (its prefix table forgotten) from a routing fault.
+    # Every later turn was routed to the replica holding the tenant's prefix ... (Two CI
+    # runs once saw 14-15 of 16: replicas reported their free KV against one session's
+    # context, not the shared budget, so two active prompts read as a full replica and
+    # its tenants were moved. Reproduced and fixed.) The replicas are named in the
+    # message to tell a replaced replica (its prefix table forgotten) from a routing fault.
     facts = {"decided": decided, "replicas": (replicas_before, cluster.replicas())}
-    assert decided['butter_router_decisions_total{kind="affinity"}'] >= 15, facts
+    assert decided['butter_router_decisions_total{kind="affinity"}'] >= 16, facts
     # ... and found it there: everything before this turn's question was in that
-    # replica's KV. One miss in 16 is tolerated: about one run in three showed a single
-    # later turn read cold, not explained yet (the affinity count above separates a
-    # routing miss from one inside the replica).
+    # replica's KV. One miss in 16 is tolerated: Serve falls through to the next ranked
+    # replica when the first does not answer its queue-length probe in time (a loaded
+    # machine), and that replica reads the turn cold.
     misses = [(turn, tenant, usage) for turn, round_usages in enumerate(usages[1:], start=1)
               for tenant, usage in zip(tenants, round_usages)
               if usage["prompt_tokens_details"]["cached_tokens"] < 0.8 * usage["prompt_tokens"]]

@@ -217,3 +217,22 @@ def test_a_stale_full_kv_report_does_not_pass_over_a_replica_whose_requests_ende
     assert router.load(replica, now=100.5) == 8  # current: full, passed over
     router._inflight[rid] = 1
     assert router.load(replica, now=100.5) == 1  # the report predates three releases
+
+
+def test_free_kv_is_the_shared_budget_s_not_one_session_s_context():
+    # --parallel 8 over 8,192 cells: each session may hold 1,024 (kv_capacity_cells).
+    # Two active 520-token requests leave most of the memory free; measured against one
+    # session's 1,024 cells they read as full, and the router moved tenants off.
+    from types import SimpleNamespace
+
+    from butter.engine.metrics import Gauges, Metrics
+    from butter.ray.remote import replica_stats
+
+    token_bytes = 36_864
+    metrics = Metrics(kv_capacity_cells=1024, kv_budget_bytes=8192 * token_bytes,
+                      gauges=Gauges(active_requests=2, sessions_busy=2, kv_reserved_cells=1040,
+                                    kv_reserved_bytes=1040 * token_bytes))
+    backend = SimpleNamespace(current=SimpleNamespace(engine=SimpleNamespace(metrics=metrics)),
+                              healthy=True, metrics_text=lambda: "")
+    stats = replica_stats(backend, "replica-a")
+    assert stats["free_kv"] == pytest.approx(1 - 1040 / 8192)

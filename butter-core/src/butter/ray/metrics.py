@@ -101,7 +101,7 @@ class _Cluster(Collector):
         yield rate
         each = [(model, replica, row) for model, replica, row in rows if replica != "total"]
         free = GaugeMetricFamily("butter_cluster_free_kv_ratio",
-                                 "KV cells not reserved by active requests, as a fraction.",
+                                 "KV memory not reserved by active requests, as a fraction.",
                                  labels=labels)
         for model, replica, row in each:
             free.add_metric((model, replica), row.get("free_kv", 0.0))

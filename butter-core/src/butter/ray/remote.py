@@ -106,7 +106,9 @@ def replica_stats(backend: Any, replica: str) -> dict[str, Any]:
     engine = backend.current.engine
     metrics = engine.metrics
     gauges = metrics.gauges  # once: all of one engine iteration
-    capacity = metrics.kv_capacity_cells or engine.capacity or 1
+    # Free KV is the shared budget's, in bytes: ``kv_capacity_cells`` is what one
+    # sequence may hold (the per-session context), not what every session shares.
+    budget = metrics.kv_budget_bytes or 1
     return {
         "replica": replica,
         "pid": os.getpid(),
@@ -115,7 +117,7 @@ def replica_stats(backend: Any, replica: str) -> dict[str, Any]:
         "active": gauges.active_requests,
         "queued": gauges.queued_requests,
         "sessions_busy": gauges.sessions_busy,
-        "free_kv": max(0.0, 1.0 - gauges.kv_reserved_cells / capacity),
+        "free_kv": max(0.0, 1.0 - gauges.kv_reserved_bytes / budget),
         "requests": metrics.requests_total,
         "prompt_tokens": metrics.prompt_tokens,
         "cached_tokens": metrics.cached_tokens,
