@@ -5,7 +5,12 @@ Two workloads, every prompt new to the server (a fresh text each time: nothing c
 * ``one``: one prompt of about ``--long`` tokens (4,000), alone;
 * ``eight``: eight prompts of about ``--lane-tokens`` tokens (1,100) each, all at once;
   reported as the median lane's time and the last lane's (when all eight have their
-  first token).
+  first token);
+* ``stall``: a stream already answering (``--stall-tokens`` tokens, 256) when a prompt of
+  about ``--long`` tokens arrives: the longest gap between two of the stream's tokens
+  while that prompt is read (what the reading costs a user watching the stream), the
+  stream's median gap before it arrived, and the long prompt's time to first token
+  beside the stream.
 
 Each request is a ``/v1/completions`` call with ``max_tokens`` 1, so its time is the
 prompt's prefill plus one sampled token: the time to first token. Both servers get the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import time
@@ -33,7 +39,9 @@ import httpx
 WORDS = (*common.WORDS, "river", "candle", "marble", "signal", "pepper", "canyon",
          "velvet", "anchor")
 LANES = 8
-FIGURES = ("one", "eight_p50", "eight_last")
+FIGURES = ("one", "eight_p50", "eight_last", "stall_max_gap", "stall_long_ttft")
+# Seconds the stream runs alone before the long prompt arrives.
+STALL_LEAD = 0.5
 
 
 def text(tokens: int, seed: str) -> str:
@@ -52,6 +60,46 @@ async def first_token(client: httpx.AsyncClient, url: str, prompt: str) -> tuple
     return time.perf_counter() - started, response.json()["usage"]["prompt_tokens"]
 
 
+async def token_times(client: httpx.AsyncClient, url: str, prompt: str, tokens: int,
+                      started: asyncio.Event) -> list[float]:
+    """Stream a completion of ``tokens`` tokens (``ignore_eos``: it runs its length);
+    return when each piece of text arrived. ``started`` is set at the first."""
+    times: list[float] = []
+    body = {"model": common.MODEL_ID, "prompt": prompt, "max_tokens": tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or ()
+            if any(choice.get("text") for choice in choices):
+                times.append(time.perf_counter())
+                started.set()
+    return times
+
+
+async def stall(client: httpx.AsyncClient, url: str, args: argparse.Namespace,
+                round_index: int) -> dict:
+    """The ``stall`` workload: a long prompt arrives while a stream is answering."""
+    started = asyncio.Event()
+    stream = asyncio.create_task(token_times(
+        client, url, text(64, f"stream-{round_index}"), args.stall_tokens, started))
+    await started.wait()
+    await asyncio.sleep(STALL_LEAD)
+    arrived = time.perf_counter()
+    long_ttft, _ = await first_token(client, url, text(args.long, f"stall-{round_index}"))
+    times = await stream
+    gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+    before = [gap for gap, at in gaps if at < arrived]
+    during = [gap for gap, at in gaps if arrived <= at <= arrived + long_ttft + 0.5]
+    if not during:
+        raise RuntimeError("the stream ended before the long prompt was read: "
+                           "raise --stall-tokens")
+    return {"stall_max_gap": max(during), "stall_gap_before": statistics.median(before),
+            "stall_long_ttft": long_ttft}
+
+
 async def workloads(base: str, args: argparse.Namespace, round_index: int) -> dict:
     url = f"{base}/completions"
     async with httpx.AsyncClient(timeout=600) as client:
@@ -60,9 +108,10 @@ async def workloads(base: str, args: argparse.Namespace, round_index: int) -> di
         lanes = await asyncio.gather(*(
             first_token(client, url, text(args.lane_tokens, f"lane-{round_index}-{lane}"))
             for lane in range(LANES)))
+        stalled = await stall(client, url, args, round_index)
     times = sorted(seconds for seconds, _ in lanes)
     return {"one": one, "one_tokens": one_tokens, "eight_p50": statistics.median(times),
-            "eight_last": times[-1], "lane_tokens": lanes[0][1]}
+            "eight_last": times[-1], "lane_tokens": lanes[0][1], **stalled}
 
 
 def main() -> int:
@@ -72,6 +121,8 @@ def main() -> int:
     parser.add_argument("--long", type=int, default=4000, help="tokens of the lone prompt")
     parser.add_argument("--lane-tokens", type=int, default=1100,
                         help="tokens of each of the eight concurrent prompts")
+    parser.add_argument("--stall-tokens", type=int, default=256,
+                        help="tokens the stream of the stall workload answers")
     parser.add_argument("--slot-context", type=int, default=4608)
     parser.add_argument("--same", choices=common.SERVERS,
                         help="one server in both columns (the A/A run)")
@@ -95,7 +146,7 @@ def main() -> int:
     for figure in FIGURES:
         per_round = [b[figure] / p[figure] for b, p in zip(results["butter"], results["peer"])]
         ratios[figure] = per_round
-        rows.append(common.Row(f"{figure} TTFT s (median of {args.rounds})",
+        rows.append(common.Row(f"{figure} s (median of {args.rounds})",
                                statistics.median(r[figure] for r in results["butter"]),
                                statistics.median(r[figure] for r in results["peer"]),
                                higher_is_better=False))
