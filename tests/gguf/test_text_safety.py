@@ -40,20 +40,19 @@ def test_count_tokens_counts_forged_markers_as_text(server):
 
 
 def test_a_huge_count_tokens_body_does_not_stall_running_streams(server):
-    gaps: list[float] = []
+    arrivals: list[float] = []
     done = threading.Event()
 
     def stream() -> None:
-        body = {"model": "smollm2", "stream": True, "max_tokens": 120, "temperature": 0,
+        body = {"model": "smollm2", "stream": True, "max_tokens": 2000, "temperature": 0,
                 "ignore_eos": True, "messages": [{"role": "user", "content": "Count to 100."}]}
         with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body,
                           timeout=120) as response:
-            last = None
             for line in response.iter_lines():
-                now = time.monotonic()
-                if line.startswith("data: ") and last is not None and not done.is_set():
-                    gaps.append(now - last)
-                last = now
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+                if done.is_set():
+                    return  # hanging up cancels the rest
 
     runner = threading.Thread(target=stream)
     runner.start()
@@ -62,12 +61,19 @@ def test_a_huge_count_tokens_body_does_not_stall_running_streams(server):
     started = time.monotonic()
     answer = httpx.post(f"{server.root}/v1/messages/count_tokens", timeout=120, json={
         "model": "smollm2", "messages": [{"role": "user", "content": huge}]})
-    took = time.monotonic() - started
+    ended = time.monotonic()
     done.set()
     runner.join(120)
     assert answer.status_code == 200 and answer.json()["input_tokens"] > 1_000_000
-    # Counting took seconds; the stream kept going meanwhile (tokenizing on the engine
-    # thread stopped every stream for the whole count).
-    print(f"count_tokens took {took:.2f} s; longest gap between stream chunks "
-          f"{max(gaps):.3f} s")
-    assert gaps and max(gaps) < max(1.0, took / 2), (took, max(gaps))
+    # Counting took seconds and the stream kept going meanwhile. Tokenizing on the engine
+    # thread stopped every stream for the whole count: no chunk between its start and
+    # end. The tokenizing thread and ggml's two threads share two cores, so the stream
+    # slows down (its longest wait was 0.2-0.4 s here, 1.2 s of 2.2 s once in CI); how
+    # much is the machine's business, that it goes on is butter's.
+    during = [at for at in arrivals if started < at < ended]
+    window = [started, *during, ended]
+    longest = max(b - a for a, b in zip(window, window[1:]))
+    print(f"count_tokens took {ended - started:.2f} s; {len(during)} stream chunks "
+          f"meanwhile, the longest wait {longest:.3f} s")
+    assert arrivals[-1] > ended, "the stream ended before the count: ask more tokens"
+    assert len(during) >= 3 and longest < 0.8 * (ended - started), (during, longest)
