@@ -1,21 +1,20 @@
 """Long prompts: time to first token against llama-server (issue 24, item 4).
 
-Two workloads, every prompt new to the server (a fresh text each time: nothing cached):
+Three workloads, every prompt new to the server (a fresh text each time: nothing cached):
 
 * ``one``: one prompt of about ``--long`` tokens (4,000), alone;
 * ``eight``: eight prompts of about ``--lane-tokens`` tokens (1,100) each, all at once;
   reported as the median lane's time and the last lane's (when all eight have their
   first token);
 * ``stall``: a stream already answering (``--stall-tokens`` tokens, 256) when a prompt of
-  about ``--long`` tokens arrives: the longest gap between two of the stream's tokens
-  while that prompt is read (what the reading costs a user watching the stream), the
-  stream's median gap before it arrived, and the long prompt's time to first token
-  beside the stream.
+  about ``--long`` tokens arrives: the longest wait for the stream's next visible text
+  while that prompt is read (what the reading costs a user watching the stream), and
+  the long prompt's time to first token beside the stream.
 
-Each request is a ``/v1/completions`` call with ``max_tokens`` 1, so its time is the
-prompt's prefill plus one sampled token: the time to first token. Both servers get the
+Each timed prompt is a ``/v1/completions`` call with ``max_tokens`` 1, so its time is
+the prompt's prefill plus one sampled token: the time to first token. Both servers get the
 same texts in the same round. A round starts one server (``--parallel 8``, ``--threads``
-threads, 8 x ``--slot-context`` KV cells), runs both workloads, stops it, then does the
+threads, 8 x ``--slot-context`` KV cells), runs the workloads, stops it, then does the
 same with the other; the side that goes first alternates from round to round. Reported:
 the median over ``--rounds`` of each figure and of its per-round ratio butter/peer
 (lower is better: a ratio under 1.0 is butter ahead). ``--same butter`` (or ``peer``)
@@ -63,7 +62,12 @@ async def first_token(client: httpx.AsyncClient, url: str, prompt: str) -> tuple
 async def token_times(client: httpx.AsyncClient, url: str, prompt: str, tokens: int,
                       started: asyncio.Event) -> list[float]:
     """Stream a completion of ``tokens`` tokens (``ignore_eos``: it runs its length);
-    return when each piece of text arrived. ``started`` is set at the first."""
+    return when each piece of visible text arrived. ``started`` is set at the first.
+
+    Whitespace-only pieces do not count: a reader sees nothing change, and the servers
+    cut them differently (butter holds trailing whitespace until text follows, so it can
+    drop it before markup; llama-server sends it at once). Nor do special tokens, whose
+    text is empty on both."""
     times: list[float] = []
     body = {"model": common.MODEL_ID, "prompt": prompt, "max_tokens": tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
@@ -73,7 +77,7 @@ async def token_times(client: httpx.AsyncClient, url: str, prompt: str, tokens: 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choices = json.loads(line[6:]).get("choices") or ()
-            if any(choice.get("text") for choice in choices):
+            if any((choice.get("text") or "").strip() for choice in choices):
                 times.append(time.perf_counter())
                 started.set()
     return times
