@@ -6,10 +6,10 @@ Three workloads, every prompt new to the server (a fresh text each time: nothing
 * ``eight``: eight prompts of about ``--lane-tokens`` tokens (1,100) each, all at once;
   reported as the median lane's time and the last lane's (when all eight have their
   first token);
-* ``stall``: a stream already answering (``--stall-tokens`` tokens, 256) when a prompt of
-  about ``--long`` tokens arrives: the longest wait for the stream's next visible text
-  while that prompt is read (what the reading costs a user watching the stream), and
-  the long prompt's time to first token beside the stream.
+* ``stall``: a stream already answering (counting on: ``--stall-tokens`` tokens, 256)
+  when a prompt of about ``--long`` tokens arrives: the longest wait for the stream's
+  next visible text while that prompt is read (what the reading costs a user watching
+  the stream), and the long prompt's time to first token beside the stream.
 
 Each timed prompt is a ``/v1/completions`` call with ``max_tokens`` 1, so its time is
 the prompt's prefill plus one sampled token: the time to first token. Both servers get the
@@ -87,8 +87,12 @@ async def stall(client: httpx.AsyncClient, url: str, args: argparse.Namespace,
                 round_index: int) -> dict:
     """The ``stall`` workload: a long prompt arrives while a stream is answering."""
     started = asyncio.Event()
+    # A count to continue: every token the model writes is visible text (digits and
+    # commas), so a gap is the server's doing, not a newline or an end-of-turn marker.
+    first = 1 + 500 * round_index
+    counting = "".join(f"{n}, " for n in range(first, first + 8)).rstrip()
     stream = asyncio.create_task(token_times(
-        client, url, text(64, f"stream-{round_index}"), args.stall_tokens, started))
+        client, url, counting, args.stall_tokens, started))
     await started.wait()
     await asyncio.sleep(STALL_LEAD)
     arrived = time.perf_counter()

@@ -378,6 +378,17 @@ def test_prose_tag_is_released_before_the_end() -> None:
     assert _content_so_far(parser, "the <tool_call>", " tag is") == "the  tag is"
 
 
+def test_a_completion_s_whitespace_goes_out_at_once() -> None:
+    # A chat answer holds trailing whitespace (it is dropped before markup); a
+    # completion has no markup, so a newline reaches the client with its own token.
+    chat = StreamParser(**ON)
+    assert _content_so_far(chat, "Hello", "\n") == "Hello"
+    completion = StreamParser(parse_think=False)
+    assert _content_so_far(completion, "Hello", "\n") == "Hello\n"
+    assert _content_so_far(completion, "  ") == "  "
+    assert completion.finish() == []
+
+
 def test_call_starts_before_the_next_text_arrives() -> None:
     parser = StreamParser(**ON)
     deltas = parser.feed(WEATHER_JSON)

@@ -109,9 +109,12 @@ class _Channel:
 
     Trailing whitespace waits for what follows: more text releases it, markup followed
     by the end of the stream drops it. Leading whitespace right after markup, before
-    any text of this kind went out, is dropped.
+    any text of this kind went out, is dropped. Where no markup can come (``hold``
+    off: a completion, which has no think block and no tools), whitespace goes out at
+    once, as llama-server sends it.
     """
 
+    hold: bool = True
     held: str = ""
     started: bool = False
     after_markup: bool = False
@@ -119,7 +122,7 @@ class _Channel:
     def push(self, text: str) -> str:
         """Text to emit now."""
         pending = self.held + text
-        body = pending.rstrip()
+        body = pending.rstrip() if self.hold else pending
         if not body:
             self.held = pending
             return ""
@@ -182,7 +185,7 @@ class StreamParser:
         self._markup = _markup_pattern(self._formats)
         self._mode = _Mode.THINK if parse_think and think_open else _Mode.TEXT
         self._buffer = ""
-        self._content = _Channel()
+        self._content = _Channel(hold=bool(watched))
         self._reasoning = _Channel(after_markup=True)
         self._block_tag = ""
         self._candidates: list[ToolFormat] = []
