@@ -8,7 +8,7 @@ Three workloads, every prompt new to the server (a fresh text each time: nothing
   first token);
 * ``stall``: a stream already answering (counting on: ``--stall-tokens`` tokens, 256)
   when a prompt of about ``--long`` tokens arrives: the longest wait for the stream's
-  next visible text while that prompt is read (what the reading costs a user watching
+  next text while that prompt is read (what the reading costs a user watching
   the stream), and the long prompt's time to first token beside the stream.
 
 Each timed prompt is a ``/v1/completions`` call with ``max_tokens`` 1, so its time is
@@ -62,12 +62,8 @@ async def first_token(client: httpx.AsyncClient, url: str, prompt: str) -> tuple
 async def token_times(client: httpx.AsyncClient, url: str, prompt: str, tokens: int,
                       started: asyncio.Event) -> list[float]:
     """Stream a completion of ``tokens`` tokens (``ignore_eos``: it runs its length);
-    return when each piece of visible text arrived. ``started`` is set at the first.
-
-    Whitespace-only pieces do not count: a reader sees nothing change, and the servers
-    cut them differently (butter holds trailing whitespace until text follows, so it can
-    drop it before markup; llama-server sends it at once). Nor do special tokens, whose
-    text is empty on both."""
+    return when each piece of text arrived (both servers send a token's text as soon as
+    it is whole, whitespace included). ``started`` is set at the first."""
     times: list[float] = []
     body = {"model": common.MODEL_ID, "prompt": prompt, "max_tokens": tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
@@ -77,7 +73,7 @@ async def token_times(client: httpx.AsyncClient, url: str, prompt: str, tokens: 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choices = json.loads(line[6:]).get("choices") or ()
-            if any((choice.get("text") or "").strip() for choice in choices):
+            if any(choice.get("text") for choice in choices):
                 times.append(time.perf_counter())
                 started.set()
     return times
@@ -87,8 +83,8 @@ async def stall(client: httpx.AsyncClient, url: str, args: argparse.Namespace,
                 round_index: int) -> dict:
     """The ``stall`` workload: a long prompt arrives while a stream is answering."""
     started = asyncio.Event()
-    # A count to continue: every token the model writes is visible text (digits and
-    # commas), so a gap is the server's doing, not a newline or an end-of-turn marker.
+    # A count to continue: every token the model writes is text (digits, commas and
+    # spaces), so a gap is the server's doing, not an end-of-turn marker's empty text.
     first = 1 + 500 * round_index
     counting = "".join(f"{n}, " for n in range(first, first + 8)).rstrip()
     stream = asyncio.create_task(token_times(
