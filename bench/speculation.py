@@ -37,18 +37,31 @@ from rich import box
 from rich.table import Table
 
 from butter.bench.plot import Point, plot
+from butter.plugins import build_plugins
+from butter_backend_gguf.kvtypes import cache_types
 
 DATA = common.REPO / "bench" / "data" / "speculation.json"
-# --kv-cache: butter's codec and the llama-server cache types it maps to (kvtypes.py)
-KV_CACHES = {"raw": [], "affine8": ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0",
-                                    "--flash-attn", "on"]}
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-cache", "ngram-map-k", "ngram-mod")
+
+
+def peer_cache_flags(codec_name: str) -> list[str]:
+    """llama-server's flags for the cache types the GGUF back end stores ``codec_name``
+    in (its ``kvtypes`` mapping); a usage error for a codec llama.cpp cannot store."""
+    try:
+        types = cache_types(build_plugins().kv_codec(codec_name))
+    except ValueError as exc:
+        raise SystemExit(f"--kv-cache: {exc}") from None
+    if types is None:
+        raise SystemExit(f"--kv-cache {codec_name}: llama.cpp has no cache type for it")
+    if not types.quantized:
+        return []
+    return ["--cache-type-k", types.key, "--cache-type-v", types.value, "--flash-attn", "on"]
 
 
 def settings(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     """(label, server, extra flags) in run order; both servers on the same cache types."""
     ours = ["--kv-cache", args.kv_cache] if args.kv_cache != "raw" else []
-    theirs = KV_CACHES[args.kv_cache]
+    theirs = peer_cache_flags(args.kv_cache)
     runs = [("butter spec on", "butter", ours),
             ("butter spec off", "butter", ours + ["--speculation", "none"]),
             ("llama-server default", "peer", theirs)]
@@ -245,7 +258,7 @@ def main() -> None:
                         default=list(LLAMA_SPEC_TYPES),
                         help="llama-server --spec-type values to run (comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--kv-cache", choices=sorted(KV_CACHES), default="raw",
+    parser.add_argument("--kv-cache", default="raw",
                         help="butter's --kv-cache; llama-server gets the same cache types")
     parser.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
                         help="run butter's default again last (the A/A pair)")
