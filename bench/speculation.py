@@ -259,7 +259,8 @@ def main() -> None:
                         help="llama-server --spec-type values to run (comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--kv-cache", default="raw",
-                        help="butter's --kv-cache; llama-server gets the same cache types")
+                        help="butter's --kv-cache (raw, affine8, affine4, an auraNvM recipe); "
+                             "llama-server gets the cache types butter stores it in")
     parser.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
                         help="run butter's default again last (the A/A pair)")
     parser.add_argument("--only", choices=("butter", "peer"), help="one server's settings")

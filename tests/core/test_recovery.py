@@ -378,7 +378,7 @@ def test_prose_tag_is_released_before_the_end() -> None:
     assert _content_so_far(parser, "the <tool_call>", " tag is") == "the  tag is"
 
 
-def test_a_completion_s_whitespace_goes_out_at_once() -> None:
+def test_completion_whitespace_is_not_held() -> None:
     # A chat answer holds trailing whitespace (it is dropped before markup); a
     # completion has no markup, so a newline reaches the client with its own token.
     chat = StreamParser(**ON)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -41,22 +42,29 @@ def test_count_tokens_counts_forged_markers_as_text(server):
 
 def test_a_huge_count_tokens_body_does_not_stall_running_streams(server):
     arrivals: list[float] = []
-    done = threading.Event()
+    statuses: list[int] = []
+    decoding, done = threading.Event(), threading.Event()
 
     def stream() -> None:
-        body = {"model": "smollm2", "stream": True, "max_tokens": 2000, "temperature": 0,
+        body = {"model": "smollm2", "stream": True, "max_tokens": 1000, "temperature": 0,
                 "ignore_eos": True, "messages": [{"role": "user", "content": "Count to 100."}]}
         with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body,
                           timeout=120) as response:
+            statuses.append(response.status_code)
             for line in response.iter_lines():
-                if line.startswith("data: "):
+                if line.startswith("data: {") and any(
+                        choice["delta"].get("content")
+                        for choice in json.loads(line[6:])["choices"]):
                     arrivals.append(time.monotonic())
+                    decoding.set()
                 if done.is_set():
                     return  # hanging up cancels the rest
+        decoding.set()  # it ended without text: the asserts below say so
 
     runner = threading.Thread(target=stream)
     runner.start()
-    time.sleep(0.5)  # the stream is decoding
+    assert decoding.wait(60), "the stream wrote nothing in 60 s"
+    assert statuses == [200] and arrivals, statuses
     huge = "word " * 1_800_000  # 9 MB of text: about 1.8 M tokens to count
     started = time.monotonic()
     answer = httpx.post(f"{server.root}/v1/messages/count_tokens", timeout=120, json={

@@ -219,7 +219,7 @@ def test_a_stale_full_kv_report_does_not_pass_over_a_replica_whose_requests_ende
     assert router.load(replica, now=100.5) == 1  # the report predates three releases
 
 
-def test_free_kv_is_the_shared_budget_s_not_one_session_s_context():
+def test_free_kv_is_of_the_shared_kv_budget():
     # --parallel 8 over 8,192 cells: each session may hold 1,024 (kv_capacity_cells).
     # Two active 520-token requests leave most of the memory free; measured against one
     # session's 1,024 cells they read as full, and the router moved tenants off.

@@ -152,7 +152,8 @@ class _Exposition(Collector):
                           g.queued_requests)
         yield self._gauge("butter_sessions", "Sessions in the pool.", m.sessions_total)
         yield self._gauge("butter_sessions_busy", "Sessions leased to a request.", g.sessions_busy)
-        yield self._gauge("butter_kv_capacity_cells", "KV cells in the shared cache.",
+        yield self._gauge("butter_kv_capacity_cells",
+                          "KV cells one request may hold (prompt plus completion).",
                           m.kv_capacity_cells)
         yield self._gauge("butter_kv_reserved_cells", "KV cells reserved by active requests.",
                           g.kv_reserved_cells)
