@@ -37,7 +37,7 @@ from rich import box
 from rich.table import Table
 
 from butter.bench.plot import Point, plot
-from butter.plugins import build_plugins
+from butter.library import default_plugins
 from butter_backend_gguf.kvtypes import cache_types
 
 DATA = common.REPO / "bench" / "data" / "speculation.json"
@@ -48,7 +48,7 @@ def peer_cache_flags(codec_name: str) -> list[str]:
     """llama-server's flags for the cache types the GGUF back end stores ``codec_name``
     in (its ``kvtypes`` mapping); a usage error for a codec llama.cpp cannot store."""
     try:
-        types = cache_types(build_plugins().kv_codec(codec_name))
+        types = cache_types(default_plugins().kv_codec(codec_name))
     except ValueError as exc:
         raise SystemExit(f"--kv-cache: {exc}") from None
     if types is None:
