@@ -29,6 +29,15 @@ context (8,192 cells, as ``--parallel 1``) in three ways, median of ``--reps``: 
 to 64 rows so that ggml's flash attention tiles it), and as butter read it before
 (positions below 256 in passes of at most 63 rows, later ones in ``--chunk``-row
 passes): where a prompt's time goes, without either server.
+
+``--paths`` is the minimal reproduction of why a verify is exact only while its rows
+stay within a stream's first 256 cells on a float cache. It reads one prompt of L
+tokens, then gets token X's logits at position L twice: alone in a pass (a plain decode
+row) and as the first of two rows (a verify of one draft), and says whether they are
+equal bit for bit, for L on both sides of 256 and for an F16 and a Q8_0 cache
+(``--kv-cache affine8``). It also times the lone row against the two-row pass: what
+giving every lone long row a throwaway companion (so that no row takes the split path)
+would cost plain decoding.
 """
 
 from __future__ import annotations
@@ -85,9 +94,10 @@ def timed(ctx, memory, passes, reps: int) -> float:
     return statistics.median(seconds) * 1000
 
 
-def fill(ctx, memory, length: int, start: int) -> None:
-    """Put prompt tokens ``start..length`` in every stream (after dropping what is there)."""
-    for seq in range(STREAMS):
+def fill(ctx, memory, length: int, start: int, streams: int = STREAMS) -> None:
+    """Put prompt tokens ``start..length`` in the first ``streams`` streams (after
+    dropping what is there)."""
+    for seq in range(streams):
         ll.llama_memory_seq_rm(memory, seq, start, -1)
         for begin in range(start, length, 512):
             rows = [(seq, 1000 + i % 500, i, False) for i in range(begin, min(length, begin + 512))]
@@ -124,6 +134,38 @@ def pieces(length: int, first: int, size: int, head: int = 0,
     return cuts
 
 
+def logits_of(ctx, model, index: int) -> bytes:
+    """The raw float32 bytes of row ``index``'s logits."""
+    n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+    return ctypes.string_at(ll.llama_get_logits_ith(ctx, index), 4 * n_vocab)
+
+
+def paths(model, args: argparse.Namespace) -> None:
+    print(f"SmolLM2-135M Q4_1, {args.threads} threads; token X's logits at position L, "
+          "alone in a pass against first of two rows")
+    for name, cache in (("F16", ll.GGML_TYPE_F16), ("Q8_0", ll.GGML_TYPE_Q8_0)):
+        params = ll.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = STREAM_CELLS, 512, 512
+        params.n_threads = params.n_threads_batch = args.threads
+        params.type_k = params.type_v = cache
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        ctx = ll.llama_init_from_model(model, params)
+        memory = ll.llama_get_memory(ctx)
+        for length in (200, 255, 256, 300, 1000):
+            fill(ctx, memory, length, 0, streams=1)
+            lone = [(0, 100, length, True)]
+            pair = [(0, 100, length, True), (0, 101, length + 1, True)]
+            lone_ms = timed(ctx, memory, [lone], args.reps)
+            alone = logits_of(ctx, model, 0)
+            pair_ms = timed(ctx, memory, [pair], args.reps)
+            verified = logits_of(ctx, model, 0)
+            same = "equal" if alone == verified else "DIFFERENT"
+            print(f"{name:5s} L={length:5d} ({length + 1} cells): {same:9s}   lone row "
+                  f"{lone_ms:5.2f} ms, two rows {pair_ms:5.2f} ms "
+                  f"({pair_ms / lone_ms:.2f}x)")
+        ll.llama_free(ctx)
+
+
 def prefill(model, args: argparse.Namespace) -> None:
     ctx, memory = open_context(model, 1, 8192, args.threads)
     ways = {"512-row passes (llama-server)": pieces(args.prefill, 512, 512),
@@ -149,13 +191,15 @@ def main() -> int:
                         help="time one N-token prompt's prefill instead (see above)")
     parser.add_argument("--chunk", type=int, default=256,
                         help="--prefill: butter's prefill chunk (--prefill-chunk)")
+    parser.add_argument("--paths", action="store_true",
+                        help="the split-path reproduction instead (see above)")
     args = parser.parse_args()
     ll.llama_log_set(_quiet, ctypes.c_void_p(0))
     ll.llama_backend_init()
     # As both servers run here (butter's GGUF back end; llama-server --no-repack on AMX).
     model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params())
-    if args.prefill:
-        prefill(model, args)
+    if args.prefill or args.paths:
+        (paths if args.paths else prefill)(model, args)
         ll.llama_model_free(model)
         return 0
     ctx, memory = open_context(model, STREAMS, STREAMS * STREAM_CELLS, args.threads)
