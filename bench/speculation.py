@@ -17,7 +17,14 @@ reports as ``predicted_per_second``. ``--plot DIR`` draws one chart per workload
 ``--rounds N`` runs the whole list of settings N times, in reverse order every other
 round (so load that drifts lands on both sides), and reports each figure as its median
 over the rounds, then the ratios that the issue's targets name, each the median of its
-per-round ratios: butter on/off, butter on/llama-server default, and the A/A pair.
+per-round ratios: butter on/off, butter on/llama-server default, the A/A pair, and
+butter on (and its A/A copy) against each llama-server ``--spec-type`` run.
+
+``--repeats N`` runs each workload and lane count N times in a row on the same server
+and reports them as one row (tokens over the summed wall time, TTFT p50 over every
+request): a one-lane quote is a single request of about a second, so one wave is mostly
+noise. Every repeat after the first starts its user message with its number, "(2) ",
+so that neither server answers it from the prompt it read for an earlier one.
 
     .venv/bin/python bench/speculation.py --plot bench/results --json bench/results/spec.json
 """
@@ -72,35 +79,54 @@ def settings(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     return runs
 
 
-def workload_messages(workload: str, lane: int, data: dict) -> list[dict]:
+def workload_messages(workload: str, lane: int, data: dict, repeat: int = 0) -> list[dict]:
+    """The lane's messages; a repeat after the first starts its user message with its
+    number, so that no server answers it from the cached read of an earlier one."""
     messages = data["workloads"][workload]
     if workload == "plain":  # each lane its own question
-        return messages[lane % len(messages)]
-    return messages
+        messages = messages[lane % len(messages)]
+    if not repeat:
+        return messages
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    tagged = {**messages[first], "content": f"({repeat}) {messages[first]['content']}"}
+    return [*messages[:first], tagged, *messages[first + 1:]]
 
 
-async def wave(url: str, workload: str, lanes: int, data: dict, max_tokens: int) -> dict:
+async def wave(url: str, workload: str, lanes: int, data: dict, max_tokens: int,
+               repeat: int = 0) -> dict:
     limits = httpx.Limits(max_connections=lanes + 1)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
-        bodies = [{"model": common.MODEL_ID, "messages": workload_messages(workload, lane, data),
+        bodies = [{"model": common.MODEL_ID,
+                   "messages": workload_messages(workload, lane, data, repeat),
                    "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                    "stream_options": {"include_usage": True}} for lane in range(lanes)]
         started = time.perf_counter()
         results = await asyncio.gather(
             *(common.stream_chat(client, f"{url}/chat/completions", body) for body in bodies))
         wall = time.perf_counter() - started
-    tokens = sum((r.usage or {}).get("completion_tokens", 0) for r in results)
-    ttfts = [r.ttft for r in results if r.ttft is not None]
-    drafted = sum(r.timings.get("draft_n", 0) for r in results)
-    accepted = sum(r.timings.get("draft_n_accepted", 0) for r in results)
-    ttft = common.median(ttfts)
+    return {"lanes": lanes, "tokens": sum((r.usage or {}).get("completion_tokens", 0)
+                                          for r in results),
+            "wall_s": wall, "ttfts": [r.ttft for r in results if r.ttft is not None],
+            "peer_drafted": sum(r.timings.get("draft_n", 0) for r in results),
+            "peer_accepted": sum(r.timings.get("draft_n_accepted", 0) for r in results)}
+
+
+async def waves(url: str, workload: str, lanes: int, data: dict, max_tokens: int,
+                repeats: int) -> dict:
+    """``repeats`` waves one after another (``--repeats``), as one row: tokens over the
+    waves' summed wall time, TTFT p50 over every request."""
+    done = [await wave(url, workload, lanes, data, max_tokens, repeat)
+            for repeat in range(repeats)]
+    tokens, wall = sum(w["tokens"] for w in done), sum(w["wall_s"] for w in done)
+    ttft = common.median([t for w in done for t in w["ttfts"]])
     # The rate after the first token (what llama-server's timings call predicted tokens
     # per second): every lane's tokens but its first over the wall time after TTFT p50.
-    decode = (tokens - lanes) / (wall - ttft) if ttft is not None and wall > ttft else None
+    after = wall - repeats * ttft if ttft is not None else 0.0
+    decode = (tokens - lanes * repeats) / after if after > 0 else None
     return {"lanes": lanes, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "decode_tok_s": decode,
-            "ttft_p50": ttft, "peer_drafted": drafted,
-            "peer_accepted": accepted}
+            "decode_tok_s": decode, "ttft_p50": ttft, "repeats": repeats,
+            "peer_drafted": sum(w["peer_drafted"] for w in done),
+            "peer_accepted": sum(w["peer_accepted"] for w in done)}
 
 
 def butter_counters(root: str) -> dict[str, float]:
@@ -131,7 +157,8 @@ def run_setting(label: str, server: str, flags: list[str], args: argparse.Namesp
         for workload in args.workloads:
             for lanes in args.lanes:
                 before = butter_counters(root) if server == "butter" else {}
-                row = asyncio.run(wave(url, workload, lanes, data, args.max_tokens))
+                row = asyncio.run(waves(url, workload, lanes, data, args.max_tokens,
+                                        args.repeats))
                 if server == "butter":
                     after = butter_counters(root)
                     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -206,7 +233,11 @@ def ratio_table(rows: list[dict], workload: str) -> Table:
                 box=box.SIMPLE_HEAD)
     for column in ("ratio", "lanes", "median", "rounds"):
         out.add_column(column, justify="left" if column in ("ratio", "rounds") else "right")
-    for name, top, bottom in RATIOS:
+    peers = sorted({setting for setting, _, _ in by if setting.startswith("llama-server ")}
+                   - {"llama-server default"})
+    named = [*RATIOS, *((f"on / {peer}", "butter spec on", peer) for peer in peers),
+             *((f"A/A copy / {peer}", "butter spec on (A/A)", peer) for peer in peers)]
+    for name, top, bottom in named:
         for n in lanes:
             per = [by[top, n, r] / by[bottom, n, r] for r in rounds
                    if (top, n, r) in by and by.get((bottom, n, r))]
@@ -269,6 +300,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every setting this many times (alternating order); "
                              "report medians")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="waves per workload and lane count, one after another, each "
+                             "with its own prompt (a short one-lane wave is mostly noise)")
     parser.add_argument("--log-dir", type=Path)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, metavar="DIR", help="charts, one per workload")
