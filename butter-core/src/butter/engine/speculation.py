@@ -12,35 +12,22 @@ failing: each verify that accepts nothing doubles the number of tokens it then d
 plainly before it looks again (from 1 up to ``MAX_PAUSE``); a verify that accepts
 something clears the pause.
 
-How many tokens it drafts follows what passes cost, in units of one row's cost. A pass
-of two rows or more costs a fixed part (``ROW_COST``) plus one unit per row; a pass of a
-single row costs ``LONE_PASS``, less than that rule gives (ggml's cheapest case).
-Measured on SmolLM2 Q4_1 with two CPU threads (``bench/row_cost.py``): one row 7.1 ms,
-two 13.5 ms, then 3.1 to 3.5 ms per further row, so a fixed part of about 2.1 rows and a
-lone row's pass of about 2.3. A verify of ``k`` drafts is a pass of ``k + 1`` rows (the
-last token, then the drafts) that yields ``E(k) = 1 + p + ... + p ** k`` tokens on
-average, ``p`` the request's own per-token acceptance, counted over its recent
-verifies. The request drafts the ``k`` that pays best, and only while it beats plain
-decoding:
+How many tokens it drafts follows what a pass costs: a fixed part plus a part per row,
+the two about equal on SmolLM2 on a CPU (``ROW_COST``, the fixed part over one row's).
+A verify of ``k`` drafts is a pass of ``k + 1`` rows (the last token, then the drafts)
+that yields ``1 + p + ... + p ** k`` tokens on average, ``p`` the request's own
+per-token acceptance, counted over its recent verifies. The request drafts the ``k``
+that yields the most tokens per unit of cost, and only while that beats plain decoding,
+where a token costs one row and its share of a pass shared by ``lanes`` requests. So a
+draft is as long as a sure quote pays for (one wrong guess wastes every row after it)
+and none at all where the drafts keep failing: the acceptance counts decay per verify,
+the prior's too, so a request whose drafts fail stops drafting.
 
-- Alone, the verify is the step's only pass: ``E(k)`` tokens for ``ROW_COST + k + 1``
-  against one token for ``LONE_PASS``. A one-token draft must be right four times in
-  five to pay.
-- Beside other decoding requests the verify is a pass of its own (a stream's rows share
-  a micro-batch with another stream's only in equal numbers), and the pass everyone
-  shares loses the request's row: the verify adds ``ROW_COST + k`` for ``E(k) - 1`` more
-  tokens, against the shared pass's ``lanes`` tokens for ``ROW_COST + lanes``. So beside
-  seven others only a near-certain quote drafts. (Counting the verify's rows alone, as
-  an earlier rule did, cost 15-27% against no drafts on the plain workload at 4 and 8
-  lanes, and 6-9% on the quote at 8.)
-
-So a draft is as long as a sure quote pays for (one wrong guess wastes every row after
-it) and none at all where the drafts keep failing: the acceptance counts decay per
-verify, the prior's too, so a request whose drafts fail stops drafting. It does not stop
-for good: while a match exists but drafting does not pay, the drafter watches whether
-plain decoding draws the first ``SHADOW`` tokens it would have drafted, and counts that
-as a verify it got for free. An answer that paraphrases its first words and then starts
-quoting gets back to drafting.
+Alone, the verify pass is the step's only pass. Beside other decoding requests it is a
+pass of its own (a stream's rows share a micro-batch with another stream's only in equal
+numbers), so it must beat a token's share of the pass everyone shares: beside seven
+others only a near-certain quote drafts. Measured on the plain workload at 4 and 8
+lanes, drafting by the marginal row alone cost 15-27% against none.
 """
 
 from __future__ import annotations
@@ -51,25 +38,15 @@ NGRAM = 3  # tokens that must match (llama-server's ngram-simple looks at as few
 MIN_NGRAM = 2  # a shorter match is tried when the longest finds nothing
 MAX_DRAFT = 12  # drafted tokens per verify at most
 MAX_PAUSE = 64  # plain tokens after failed verifies, at most
-ROW_COST = 2.1  # a pass of two rows or more: this fixed part plus one per row
-LONE_PASS = 2.3  # a pass of a single row, in rows' cost
+ROW_COST = 1.0  # a pass's fixed cost over one row's cost (both measured per pass)
 DECAY = 0.8  # the weight the acceptance count keeps per verify
 PRIOR = (4.0, 0.5)  # accepted tokens and failed verifies assumed before the first verify
-SHADOW = 4  # tokens of a draft that did not pay watched against what decoding draws
 
 
 def plain_rate(lanes: int) -> float:
     """Tokens per row's cost that plain decoding yields with ``lanes`` requests sharing
     each pass."""
-    return 1 / LONE_PASS if lanes <= 1 else lanes / (lanes + ROW_COST)
-
-
-def verify_rate(drafts: int, expected: float, lanes: int) -> float:
-    """Tokens per row's cost a verify of ``drafts`` yielding ``expected`` tokens adds:
-    alone the whole pass, beside others what it adds to the step (see above)."""
-    if lanes <= 1:
-        return expected / (ROW_COST + drafts + 1)
-    return (expected - 1) / (ROW_COST + drafts)
+    return lanes / (lanes + ROW_COST)
 
 
 @attrs.define(slots=True)
@@ -85,8 +62,6 @@ class Drafter:
     accepted: int = 0
     _hits: float = PRIOR[0]  # accepted tokens, decayed per verify (the prior's too)
     _misses: float = PRIOR[1]  # verifies that rejected a token, decayed likewise
-    _shadow: tuple[int, ...] = ()  # a draft not sent, watched against the drawn tokens
-    _seen: int = 0  # of ``_shadow``'s tokens, how many were drawn so far
 
     def extend(self, tokens: list[int]) -> None:
         """Add the context's next tokens (the prompt, then each drawn token)."""
@@ -102,19 +77,6 @@ class Drafter:
             history.append(token)
             if self._pause:
                 self._pause -= 1
-            if self._shadow:
-                self._watch(token)
-
-    def _watch(self, token: int) -> None:
-        """Compare a drawn token with the watched draft; at its end or first miss, count
-        it as a verify (the acceptance only: no verify ran)."""
-        shadow = self._shadow
-        if token == shadow[self._seen]:
-            self._seen += 1
-            if self._seen < len(shadow):
-                return
-        self._count(len(shadow), self._seen)
-        self._shadow = ()
 
     @property
     def paused(self) -> bool:
@@ -135,7 +97,7 @@ class Drafter:
         for count in range(1, self.max_draft + 1):
             chance *= p
             expected += chance
-            rate = verify_rate(count, expected, lanes)
+            rate = expected / (ROW_COST + count + 1)
             if rate > best_rate:
                 best, best_rate = count, rate
         return best
@@ -144,20 +106,10 @@ class Drafter:
         """Up to ``limit`` tokens that followed the latest earlier match of the context's
         last n-gram (the longest n that matches), as many as pay with ``lanes``
         requests decoding; or none."""
-        limit = min(limit, self.max_draft)
+        limit = min(limit, self.max_draft, self.length(lanes))
         history = self._history
         if limit <= 0 or self._pause or len(history) < MIN_NGRAM + 1:
             return ()
-        follows = self._follows(limit)
-        length = self.length(lanes)
-        if follows and not length and not self._shadow:
-            self._shadow, self._seen = follows[:SHADOW], 0
-        return follows[:length]
-
-    def _follows(self, limit: int) -> tuple[int, ...]:
-        """Up to ``limit`` tokens that followed the latest earlier match of the context's
-        last n-gram (the longest n that matches); none without a match."""
-        history = self._history
         for n in range(NGRAM, MIN_NGRAM - 1, -1):
             end = self._ends.get(tuple(history[-n:]))
             if end is not None:
@@ -168,14 +120,10 @@ class Drafter:
         """Record a verify: ``accepted`` of ``drafted`` tokens were what plain decoding drew."""
         self.drafted += drafted
         self.accepted += accepted
-        self._count(drafted, accepted)
+        self._hits = self._hits * DECAY + accepted
+        self._misses = self._misses * DECAY + (accepted < drafted)
         if accepted:
             self._penalty = 1
         else:
             self._pause = self._penalty
             self._penalty = min(self._penalty * 2, MAX_PAUSE)
-
-    def _count(self, drafted: int, accepted: int) -> None:
-        """Update the acceptance with a verify of ``drafted`` that accepted ``accepted``."""
-        self._hits = self._hits * DECAY + accepted
-        self._misses = self._misses * DECAY + (accepted < drafted)
