@@ -25,9 +25,16 @@ the prior's too, so a request whose drafts fail stops drafting.
 
 Alone, the verify pass is the step's only pass. Beside other decoding requests it is a
 pass of its own (a stream's rows share a micro-batch with another stream's only in equal
-numbers), so it must beat a token's share of the pass everyone shares: beside seven
-others only a near-certain quote drafts. Measured on the plain workload at 4 and 8
-lanes, drafting by the marginal row alone cost 15-27% against none.
+numbers), and the pass everyone shares loses the request's row: the verify adds a pass's
+fixed cost and ``k`` rows for ``E - 1`` more tokens, and must beat the shared pass's
+tokens per cost. There the fixed part is the one measured for passes of two rows or more
+(``SHARED_FIXED``, ``bench/row_cost.py``: 13.5 ms for two rows, then 3.1 to 3.5 ms a
+row, against 7.1 ms for one). Beside seven others only a near-certain quote drafts.
+(Counting the verify's rows alone, as an earlier rule did, cost 15-27% against no
+drafts on the plain workload at 4 and 8 lanes; weighing the whole verify against a
+token's share, as the next one did, 6-9% on the quote at 8 lanes. Alone, the measured
+fixed part drafted longer and failed more on the quote than ``ROW_COST`` does:
+``bench/README.md``.)
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ NGRAM = 3  # tokens that must match (llama-server's ngram-simple looks at as few
 MIN_NGRAM = 2  # a shorter match is tried when the longest finds nothing
 MAX_DRAFT = 12  # drafted tokens per verify at most
 MAX_PAUSE = 64  # plain tokens after failed verifies, at most
-ROW_COST = 1.0  # a pass's fixed cost over one row's cost (both measured per pass)
+ROW_COST = 1.0  # alone: a pass's fixed cost over one row's cost
+SHARED_FIXED = 2.1  # beside others: the fixed cost of a pass of two rows or more, in rows
 DECAY = 0.8  # the weight the acceptance count keeps per verify
 PRIOR = (4.0, 0.5)  # accepted tokens and failed verifies assumed before the first verify
 
@@ -46,7 +54,15 @@ PRIOR = (4.0, 0.5)  # accepted tokens and failed verifies assumed before the fir
 def plain_rate(lanes: int) -> float:
     """Tokens per row's cost that plain decoding yields with ``lanes`` requests sharing
     each pass."""
-    return lanes / (lanes + ROW_COST)
+    return 1 / (1 + ROW_COST) if lanes <= 1 else lanes / (lanes + SHARED_FIXED)
+
+
+def verify_rate(drafts: int, expected: float, lanes: int) -> float:
+    """Tokens per row's cost of a verify of ``drafts`` that yields ``expected`` tokens:
+    alone the whole pass, beside others what it adds to the step (see above)."""
+    if lanes <= 1:
+        return expected / (ROW_COST + drafts + 1)
+    return (expected - 1) / (SHARED_FIXED + drafts)
 
 
 @attrs.define(slots=True)
@@ -97,7 +113,7 @@ class Drafter:
         for count in range(1, self.max_draft + 1):
             chance *= p
             expected += chance
-            rate = expected / (ROW_COST + count + 1)
+            rate = verify_rate(count, expected, lanes)
             if rate > best_rate:
                 best, best_rate = count, rate
         return best
