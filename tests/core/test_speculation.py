@@ -180,6 +180,25 @@ def test_drafts_are_as_long_as_they_pay_for_the_lanes_decoding():
     assert failing.length(1) == 0
 
 
+def test_a_drafter_that_stopped_drafts_again_once_decoding_quotes():
+    quote = list(range(100, 140))
+    drafter = Drafter()
+    drafter.extend([1, 2, *quote, 3, 4])
+    for _ in range(3):  # the first drafts failed: the answer began in its own words
+        drafter.verified(4, 0)
+    drafter.extend([5, 6, 7])
+    assert drafter.length(1) == 0
+    drafted = []
+    for token in quote:  # then it quotes
+        drafted.append(drafter.propose(8))
+        drafter.extend([token])
+    # The drafts it did not send were watched against what decoding drew; the quote's
+    # first matching n-gram starts counting, and drafting resumes within the quote.
+    assert drafter.length(1) > 0
+    assert not drafted[0] and any(drafted)
+    assert drafter.drafted == 12  # only real verifies count as drafted
+
+
 def test_planner_drafts_only_into_room_the_next_prefill_chunk_does_not_need():
     asked = []
 

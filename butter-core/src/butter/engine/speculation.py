@@ -21,7 +21,11 @@ that yields the most tokens per unit of cost, and only while that beats plain de
 where a token costs one row and its share of a pass shared by ``lanes`` requests. So a
 draft is as long as a sure quote pays for (one wrong guess wastes every row after it)
 and none at all where the drafts keep failing: the acceptance counts decay per verify,
-the prior's too, so a request whose drafts fail stops drafting.
+the prior's too, so a request whose drafts fail stops drafting. It does not stop for
+good: while a match exists but drafting does not pay, the drafter watches whether plain
+decoding draws the first ``SHADOW`` tokens it would have drafted, and counts that as a
+verify it got for free. An answer that starts in its own words and then quotes drafts
+again.
 
 Alone, the verify pass is the step's only pass. Beside other decoding requests it is a
 pass of its own (a stream's rows share a micro-batch with another stream's only in equal
@@ -49,6 +53,7 @@ ROW_COST = 1.0  # alone: a pass's fixed cost over one row's cost
 SHARED_FIXED = 2.1  # beside others: the fixed cost of a pass of two rows or more, in rows
 DECAY = 0.8  # the weight the acceptance count keeps per verify
 PRIOR = (4.0, 0.5)  # accepted tokens and failed verifies assumed before the first verify
+SHADOW = 4  # tokens of a draft that did not pay watched against what decoding draws
 
 
 def plain_rate(lanes: int) -> float:
@@ -78,6 +83,8 @@ class Drafter:
     accepted: int = 0
     _hits: float = PRIOR[0]  # accepted tokens, decayed per verify (the prior's too)
     _misses: float = PRIOR[1]  # verifies that rejected a token, decayed likewise
+    _shadow: tuple[int, ...] = ()  # a draft not sent, watched against the drawn tokens
+    _seen: int = 0  # of ``_shadow``'s tokens, how many were drawn so far
 
     def extend(self, tokens: list[int]) -> None:
         """Add the context's next tokens (the prompt, then each drawn token)."""
@@ -93,6 +100,19 @@ class Drafter:
             history.append(token)
             if self._pause:
                 self._pause -= 1
+            if self._shadow:
+                self._watch(token)
+
+    def _watch(self, token: int) -> None:
+        """Compare a drawn token with the watched draft; at its end or first miss, count
+        it as a verify (the acceptance only: no verify ran)."""
+        shadow = self._shadow
+        if token == shadow[self._seen]:
+            self._seen += 1
+            if self._seen < len(shadow):
+                return
+        self._count(len(shadow), self._seen)
+        self._shadow = ()
 
     @property
     def paused(self) -> bool:
@@ -122,10 +142,20 @@ class Drafter:
         """Up to ``limit`` tokens that followed the latest earlier match of the context's
         last n-gram (the longest n that matches), as many as pay with ``lanes``
         requests decoding; or none."""
-        limit = min(limit, self.max_draft, self.length(lanes))
+        limit = min(limit, self.max_draft)
         history = self._history
         if limit <= 0 or self._pause or len(history) < MIN_NGRAM + 1:
             return ()
+        follows = self._follows(limit)
+        length = self.length(lanes)
+        if follows and not length and not self._shadow:
+            self._shadow, self._seen = follows[:SHADOW], 0
+        return follows[:length]
+
+    def _follows(self, limit: int) -> tuple[int, ...]:
+        """Up to ``limit`` tokens that followed the latest earlier match of the context's
+        last n-gram (the longest n that matches); none without a match."""
+        history = self._history
         for n in range(NGRAM, MIN_NGRAM - 1, -1):
             end = self._ends.get(tuple(history[-n:]))
             if end is not None:
@@ -136,10 +166,14 @@ class Drafter:
         """Record a verify: ``accepted`` of ``drafted`` tokens were what plain decoding drew."""
         self.drafted += drafted
         self.accepted += accepted
-        self._hits = self._hits * DECAY + accepted
-        self._misses = self._misses * DECAY + (accepted < drafted)
+        self._count(drafted, accepted)
         if accepted:
             self._penalty = 1
         else:
             self._pause = self._penalty
             self._penalty = min(self._penalty * 2, MAX_PAUSE)
+
+    def _count(self, drafted: int, accepted: int) -> None:
+        """Update the acceptance with a verify of ``drafted`` that accepted ``accepted``."""
+        self._hits = self._hits * DECAY + accepted
+        self._misses = self._misses * DECAY + (accepted < drafted)
