@@ -12,13 +12,13 @@ failing: each verify that accepts nothing doubles the number of tokens it then d
 plainly before it looks again (from 1 up to ``MAX_PAUSE``); a verify that accepts
 something clears the pause.
 
-How many tokens it drafts follows what a pass costs: a fixed part plus a part per row,
-the two about equal on SmolLM2 on a CPU (``ROW_COST``, the fixed part over one row's).
+How many tokens it drafts follows what a pass costs: a fixed part plus a part per row.
 A verify of ``k`` drafts is a pass of ``k + 1`` rows (the last token, then the drafts)
-that yields ``1 + p + ... + p ** k`` tokens on average, ``p`` the request's own
+that yields ``E = 1 + p + ... + p ** k`` tokens on average, ``p`` the request's own
 per-token acceptance, counted over its recent verifies. The request drafts the ``k``
-that yields the most tokens per unit of cost, and only while that beats plain decoding,
-where a token costs one row and its share of a pass shared by ``lanes`` requests. So a
+that yields the most tokens per unit of cost, and only while that beats plain decoding
+(alone: a token per pass, the fixed part taken as one row, ``ROW_COST``; beside other
+lanes: below). So a
 draft is as long as a sure quote pays for (one wrong guess wastes every row after it)
 and none at all where the drafts keep failing: the acceptance counts decay per verify,
 the prior's too, so a request whose drafts fail stops drafting. It does not stop for
