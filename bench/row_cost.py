@@ -106,13 +106,17 @@ def fill(ctx, memory, length: int, start: int, streams: int = STREAMS) -> None:
             ll.llama_batch_free(batch)
 
 
-def open_context(model, streams: int, cells: int, threads: int):
+def open_context(model, streams: int, cells: int, threads: int, cache: int | None = None):
     """A context as llama-server ``-np streams -c cells`` opens it (a KV stream per slot,
-    512-row micro-batches): ``(ctx, memory)``."""
+    512-row micro-batches), with ``cache`` (a ggml type) for keys and values and flash
+    attention if given: ``(ctx, memory)``."""
     params = ll.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_ubatch = cells, 512, 512
     params.n_seq_max, params.kv_unified = streams, False
     params.n_threads = params.n_threads_batch = threads
+    if cache is not None:
+        params.type_k = params.type_v = cache
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
     ctx = ll.llama_init_from_model(model, params)
     return ctx, ll.llama_get_memory(ctx)
 
@@ -144,13 +148,7 @@ def paths(model, args: argparse.Namespace) -> None:
     print(f"SmolLM2-135M Q4_1, {args.threads} threads; token X's logits at position L, "
           "alone in a pass against first of two rows")
     for name, cache in (("F16", ll.GGML_TYPE_F16), ("Q8_0", ll.GGML_TYPE_Q8_0)):
-        params = ll.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = STREAM_CELLS, 512, 512
-        params.n_threads = params.n_threads_batch = args.threads
-        params.type_k = params.type_v = cache
-        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        ctx = ll.llama_init_from_model(model, params)
-        memory = ll.llama_get_memory(ctx)
+        ctx, memory = open_context(model, 1, STREAM_CELLS, args.threads, cache)
         for length in (200, 255, 256, 300, 1000):
             fill(ctx, memory, length, 0, streams=1)
             lone = [(0, 100, length, True)]

@@ -146,9 +146,11 @@ class Drafter:
         history = self._history
         if limit <= 0 or self._pause or len(history) < MIN_NGRAM + 1:
             return ()
-        follows = self._follows(limit)
         length = self.length(lanes)
-        if follows and not length and not self._shadow:
+        if not length and self._shadow:  # nothing to draft, and a draft already watched
+            return ()
+        follows = self._follows(limit)
+        if follows and not length:
             self._shadow, self._seen = follows[:SHADOW], 0
         return follows[:length]
 
