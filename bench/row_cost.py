@@ -38,14 +38,25 @@ equal bit for bit, for L on both sides of 256 and for an F16 and a Q8_0 cache
 (``--kv-cache affine8``). It also times the lone row against the two-row pass: what
 giving every lone long row a throwaway companion (so that no row takes the split path)
 would cost plain decoding.
+
+``--oracle`` is the minimal reproduction of the 1-lane quote targets' reach: the fastest
+any exact drafter could answer the quote workload's request on this CPU. It reads the
+request's prompt (SmolLM2's template, its default system message) in one pass, decodes
+the greedy answer plainly (a pass a token), then feeds that very answer back as verify
+passes of up to 62 drafts, every row with its logits, as if every draft were right
+(each row's greedy draw is checked against the answer). The last verify row stays
+below 256 cells, as butter's exact verifies on a float cache do; past them, a pass a
+token. Speculation on / off can be no better than (prompt + plain) / (prompt + oracle).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import statistics
 import time
+from pathlib import Path
 
 import llama_cpp as ll
 
@@ -55,6 +66,11 @@ from butter_backend_gguf.native import model_params
 STREAMS = 8
 FILLED = 100  # tokens already in every stream
 STREAM_CELLS = 2048
+SPLIT_KV_FREE_CELLS = 256  # a verify row past them is not the row plain decoding computes
+MOST_DRAFTS = 62  # butter's GGUF verifies stay under the 64 rows that flash attention tiles
+ANSWER_TOKENS = 160  # bench/speculation.py's --max-tokens
+# SmolLM2's template adds this system message when a request has none (as butter renders it).
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @ll.llama_log_callback
@@ -164,6 +180,94 @@ def paths(model, args: argparse.Namespace) -> None:
         ll.llama_free(ctx)
 
 
+def quote_prompt(model) -> list[int]:
+    """The quote workload's prompt as SmolLM2's chat template renders it, tokenized."""
+    data = json.loads((Path(__file__).parent / "data" / "speculation.json").read_text())
+    (message,) = data["workloads"]["quote"]
+    chat = (ll.llama_chat_message * 2)(ll.llama_chat_message(b"system", SYSTEM.encode()),
+                                       ll.llama_chat_message(b"user", message["content"].encode()))
+    template = ll.llama_model_chat_template(model, None)
+    size = ll.llama_chat_apply_template(template, chat, 2, True, None, 0)
+    text = ctypes.create_string_buffer(size + 1)
+    ll.llama_chat_apply_template(template, chat, 2, True, text, size + 1)
+    tokens = (ll.llama_token * (size + 8))()
+    vocab = ll.llama_model_get_vocab(model)
+    count = ll.llama_tokenize(vocab, text.value, size, tokens, len(tokens), False, True)
+    return list(tokens[:count])
+
+
+def draw(ctx, model, index: int) -> int:
+    """The greedy draw from row ``index``'s logits."""
+    row = logits_of(ctx, model, index)
+    values = memoryview(row).cast("f")
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def decode(ctx, rows: list[tuple[int, int, int, bool]]) -> float:
+    """Seconds one pass of ``rows`` takes."""
+    batch = batch_of(rows)
+    start = time.perf_counter()
+    failed = ll.llama_decode(ctx, batch)
+    took = time.perf_counter() - start
+    ll.llama_batch_free(batch)
+    if failed:
+        raise SystemExit("llama_decode failed")
+    return took
+
+
+def answer_plainly(ctx, memory, model, prompt: list[int]) -> tuple[float, float, list[int]]:
+    """Read ``prompt`` in one pass, then decode greedily a pass a token: (prompt seconds,
+    decode seconds, the answer)."""
+    ll.llama_memory_seq_rm(memory, 0, 0, -1)
+    vocab = ll.llama_model_get_vocab(model)
+    read = decode(ctx, [(0, token, i, i == len(prompt) - 1) for i, token in enumerate(prompt)])
+    answer, seconds = [draw(ctx, model, len(prompt) - 1)], 0.0
+    while len(answer) < ANSWER_TOKENS and not ll.llama_vocab_is_eog(vocab, answer[-1]):
+        seconds += decode(ctx, [(0, answer[-1], len(prompt) + len(answer) - 1, True)])
+        answer.append(draw(ctx, model, 0))
+    return read, seconds, answer
+
+
+def answer_by_oracle(ctx, memory, model, prompt: list[int],
+                     answer: list[int]) -> tuple[float, int, int]:
+    """Feed ``answer`` after ``prompt`` as verifies whose drafts are all right, the last
+    row of each below 256 cells: (seconds, passes, rows whose draw is not the answer's)."""
+    ll.llama_memory_seq_rm(memory, 0, 0, -1)
+    decode(ctx, [(0, token, i, False) for i, token in enumerate(prompt)])
+    done, seconds, passes, wrong = 1, 0.0, 0, 0
+    while done < len(answer):
+        at = len(prompt) + done - 1  # the last drawn token's position
+        drafts = max(0, min(MOST_DRAFTS, SPLIT_KV_FREE_CELLS - 1 - at, len(answer) - done - 1))
+        seconds += decode(ctx, [(0, answer[done - 1 + i], at + i, True)
+                                for i in range(drafts + 1)])
+        wrong += sum(draw(ctx, model, i) != answer[done + i] for i in range(drafts + 1))
+        done, passes = done + drafts + 1, passes + 1
+    return seconds, passes, wrong
+
+
+def oracle(model, args: argparse.Namespace) -> None:
+    ctx, memory = open_context(model, STREAMS, STREAMS * STREAM_CELLS, args.threads)
+    prompt = quote_prompt(model)
+    rounds = []  # (prompt, plain, oracle seconds), plain and oracle back to back
+    for _ in range(max(3, args.reps // 3)):
+        read, plain, answer = answer_plainly(ctx, memory, model, prompt)
+        best, passes, wrong = answer_by_oracle(ctx, memory, model, prompt, answer)
+        rounds.append((read, plain, best))
+    read, plain, best = (statistics.median(r[i] for r in rounds) for i in range(3))
+    ratios = sorted((r[0] + r[1]) / (r[0] + r[2]) for r in rounds)
+    print(f"SmolLM2-135M Q4_1, {args.threads} threads; the quote request: a {len(prompt)}-"
+          f"token prompt, a {len(answer)}-token greedy answer; medians of {len(rounds)} rounds")
+    print(f"prompt, one pass: {read * 1000:.0f} ms; plain decoding, a pass a token: "
+          f"{plain * 1000:.0f} ms ({len(answer) - 1} passes); oracle drafts (every draft "
+          f"right): {best * 1000:.0f} ms ({passes} passes, {wrong} draws not the answer's)")
+    print(f"speculation on / off at best, per round: median {statistics.median(ratios):.3f} "
+          f"({ratios[0]:.3f} to {ratios[-1]:.3f}) for the request, "
+          f"{plain / best:.3f} after its first token")
+    print(f"1.5x for the request needs decoding in {((read + plain) / 1.5 - read) * 1000:.0f}"
+          f" ms, {((read + plain) / 1.5 - read) / best:.2f}x the oracle's time")
+    ll.llama_free(ctx)
+
+
 def prefill(model, args: argparse.Namespace) -> None:
     ctx, memory = open_context(model, 1, 8192, args.threads)
     ways = {"512-row passes (llama-server)": pieces(args.prefill, 512, 512),
@@ -191,13 +295,15 @@ def main() -> int:
                         help="--prefill: butter's prefill chunk (--prefill-chunk)")
     parser.add_argument("--paths", action="store_true",
                         help="the split-path reproduction instead (see above)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="the quote's best case under exact speculation (see above)")
     args = parser.parse_args()
     ll.llama_log_set(_quiet, ctypes.c_void_p(0))
     ll.llama_backend_init()
     # As both servers run here (butter's GGUF back end; llama-server --no-repack on AMX).
     model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params())
-    if args.prefill or args.paths:
-        (paths if args.paths else prefill)(model, args)
+    if args.prefill or args.paths or args.oracle:
+        (paths if args.paths else oracle if args.oracle else prefill)(model, args)
         ll.llama_model_free(model)
         return 0
     ctx, memory = open_context(model, STREAMS, STREAMS * STREAM_CELLS, args.threads)
