@@ -61,13 +61,11 @@ from pathlib import Path
 import llama_cpp as ll
 
 from butter.resolvers import shipped_model_path
-from butter_backend_gguf.native import model_params
+from butter_backend_gguf.native import MAX_DRAFT, SPLIT_KV_FREE_CELLS, model_params
 
 STREAMS = 8
 FILLED = 100  # tokens already in every stream
 STREAM_CELLS = 2048
-SPLIT_KV_FREE_CELLS = 256  # a verify row past them is not the row plain decoding computes
-MOST_DRAFTS = 62  # butter's GGUF verifies stay under the 64 rows that flash attention tiles
 ANSWER_TOKENS = 160  # bench/speculation.py's --max-tokens
 # SmolLM2's template adds this system message when a request has none (as butter renders it).
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -231,13 +229,15 @@ def answer_plainly(ctx, memory, model, prompt: list[int]) -> tuple[float, float,
 def answer_by_oracle(ctx, memory, model, prompt: list[int],
                      answer: list[int]) -> tuple[float, int, int]:
     """Feed ``answer`` after ``prompt`` as verifies whose drafts are all right, the last
-    row of each below 256 cells: (seconds, passes, rows whose draw is not the answer's)."""
+    row of each below 256 cells and under the 64 rows from which flash attention tiles,
+    as butter's verifies on a float cache: (seconds, passes, rows whose draw is not the
+    answer's)."""
     ll.llama_memory_seq_rm(memory, 0, 0, -1)
     decode(ctx, [(0, token, i, False) for i, token in enumerate(prompt)])
     done, seconds, passes, wrong = 1, 0.0, 0, 0
     while done < len(answer):
         at = len(prompt) + done - 1  # the last drawn token's position
-        drafts = max(0, min(MOST_DRAFTS, SPLIT_KV_FREE_CELLS - 1 - at, len(answer) - done - 1))
+        drafts = max(0, min(MAX_DRAFT, SPLIT_KV_FREE_CELLS - 1 - at, len(answer) - done - 1))
         seconds += decode(ctx, [(0, answer[done - 1 + i], at + i, True)
                                 for i in range(drafts + 1)])
         wrong += sum(draw(ctx, model, i) != answer[done + i] for i in range(drafts + 1))
