@@ -228,12 +228,11 @@ def answer_plainly(ctx, memory, model, prompt: list[int]) -> tuple[float, float,
 
 def answer_by_oracle(ctx, memory, model, prompt: list[int],
                      answer: list[int]) -> tuple[float, int, int]:
-    """Feed ``answer`` after ``prompt`` as verifies whose drafts are all right, the last
-    row of each below 256 cells and under the 64 rows from which flash attention tiles,
-    as butter's verifies on a float cache: (seconds, passes, rows whose draw is not the
-    answer's)."""
-    ll.llama_memory_seq_rm(memory, 0, 0, -1)
-    decode(ctx, [(0, token, i, False) for i, token in enumerate(prompt)])
+    """Feed ``answer`` after ``prompt`` (read already, as ``answer_plainly`` leaves it)
+    as verifies whose drafts are all right, the last row of each below 256 cells and
+    under the 64 rows from which flash attention tiles, as butter's verifies on a float
+    cache: (seconds, passes, rows whose draw is not the answer's)."""
+    ll.llama_memory_seq_rm(memory, 0, len(prompt), -1)  # the plain answer goes
     done, seconds, passes, wrong = 1, 0.0, 0, 0
     while done < len(answer):
         at = len(prompt) + done - 1  # the last drawn token's position
