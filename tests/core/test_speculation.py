@@ -180,6 +180,18 @@ def test_drafts_are_as_long_as_they_pay_for_the_lanes_decoding():
     assert failing.length(1) == 0
 
 
+def test_a_short_match_drafts_only_where_its_own_length_pays():
+    looping = Drafter()
+    looping.extend([1, 2, 3] * 5)  # an answer caught in a loop of three tokens
+    for _ in range(20):
+        looping.verified(3, 3)
+    # Sure enough to draft twelve tokens beside seven others, but the loop offers three:
+    # a verify of three yields too little for the pass it adds to the step.
+    assert looping.length(8) == 12 and looping.length(8, 3) == 0
+    assert looping.propose(12, lanes=8) == ()
+    assert looping.propose(12, lanes=1) == (1, 2, 3)  # alone, three pay
+
+
 def test_a_drafter_that_stopped_drafts_again_once_decoding_quotes():
     quote = list(range(100, 140))
     drafter = Drafter()

@@ -359,11 +359,10 @@ class Engine:
                 return ()
             draft = self._runtime.propose(request.session.seq_id, request.last_token)[:limit]
             return draft[:self._runtime.draft_room(request.session.seq_id, len(draft))]
+        # The drafter weighs the draft it can send: the room the runtime verifies in too.
+        limit = self._runtime.draft_room(request.session.seq_id, max(limit, 0))
         lanes = sum(1 for r in self._active if r.phase is Phase.DECODE)
-        draft = drafter.propose(limit, lanes)
-        if draft:
-            draft = draft[:self._runtime.draft_room(request.session.seq_id, len(draft))]
-        return draft
+        return drafter.propose(limit, lanes)
 
     # ---- one model pass ------------------------------------------------------------
 

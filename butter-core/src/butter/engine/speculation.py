@@ -18,14 +18,15 @@ that yields ``E = 1 + p + ... + p ** k`` tokens on average, ``p`` the request's 
 per-token acceptance, counted over its recent verifies. The request drafts the ``k``
 that yields the most tokens per unit of cost, and only while that beats plain decoding
 (alone: a token per pass, the fixed part taken as one row, ``ROW_COST``; beside other
-lanes: below). So a
-draft is as long as a sure quote pays for (one wrong guess wastes every row after it)
-and none at all where the drafts keep failing: the acceptance counts decay per verify,
-the prior's too, so a request whose drafts fail stops drafting. It does not stop for
-good: while a match exists but drafting does not pay, the drafter watches whether plain
-decoding draws the first ``SHADOW`` tokens it would have drafted, and counts that as a
-verify it got for free. An answer that starts in its own words and then quotes drafts
-again.
+lanes: below), ``k`` at most the tokens the match offers: a draft cut short by the
+end of the context (an answer looping over three tokens offers three) must pay at its
+own length. So a draft is as long as a sure quote pays for (one wrong guess wastes
+every row after it) and none at all where the drafts keep failing: the acceptance
+counts decay per verify, the prior's too, so a request whose drafts fail stops
+drafting. It does not stop for good: while a match exists but drafting does not pay,
+the drafter watches whether plain decoding draws the first ``SHADOW`` tokens it would
+have drafted, and counts that as a verify it got for free. An answer that starts in its
+own words and then quotes drafts again.
 
 Alone, the verify pass is the step's only pass. Beside other decoding requests it is a
 pass of its own (a stream's rows share a micro-batch with another stream's only in equal
@@ -124,13 +125,15 @@ class Drafter:
         """The chance that a drafted token is accepted, given the one before it was."""
         return self._hits / (self._hits + self._misses)
 
-    def length(self, lanes: int) -> int:
-        """The draft length that yields the most tokens per unit of pass cost with
-        ``lanes`` requests decoding, or 0 where no length beats plain decoding."""
+    def length(self, lanes: int, available: int | None = None) -> int:
+        """The draft length, at most ``available`` (the tokens the match offers), that
+        yields the most tokens per unit of pass cost with ``lanes`` requests decoding,
+        or 0 where no such length beats plain decoding."""
         p = self.acceptance
         best, best_rate = 0, plain_rate(lanes)
         expected, chance = 1.0, 1.0  # tokens a verify of ``count`` drafts yields
-        for count in range(1, self.max_draft + 1):
+        most = self.max_draft if available is None else min(available, self.max_draft)
+        for count in range(1, most + 1):
             chance *= p
             expected += chance
             rate = verify_rate(count, expected, lanes)
@@ -146,11 +149,11 @@ class Drafter:
         history = self._history
         if limit <= 0 or self._pause or len(history) < MIN_NGRAM + 1:
             return ()
-        length = self.length(lanes)
-        if not length and self._shadow:  # nothing to draft, and a draft already watched
-            return ()
         follows = self._follows(limit)
-        if follows and not length:
+        # The length must pay for what the match offers: a loop of three tokens offers
+        # three, and three drafts beside seven others cost more than they yield.
+        length = self.length(lanes, len(follows))
+        if follows and not length and not self._shadow:
             self._shadow, self._seen = follows[:SHADOW], 0
         return follows[:length]
 
