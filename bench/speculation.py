@@ -20,6 +20,11 @@ over the rounds, then the ratios that the issue's targets name, each the median 
 per-round ratios: butter on/off, butter on/llama-server default, the A/A pair, and
 butter on (and its A/A copy) against each llama-server ``--spec-type`` run.
 
+``--interleave`` starts every setting's server at once (an idle one waits, taking no
+CPU) and runs each row (workload, lane count) on each server in turn, in the round's
+order: a row is seconds to a minute, so drift in the machine's speed, which a server's
+block of rows takes minutes to show, lands on every setting alike.
+
 ``--repeats N`` runs each workload and lane count N times in a row on the same server
 and reports them as one row (tokens over the summed wall time, TTFT p50 over every
 request): a one-lane quote is a single request of about a second, so one wave is mostly
@@ -33,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import common
@@ -141,42 +148,55 @@ def butter_counters(root: str) -> dict[str, float]:
     return found
 
 
-def run_setting(label: str, server: str, flags: list[str], args: argparse.Namespace,
-                data: dict, logs: Path) -> list[dict]:
-    plan = common.ServerPlan(name=server, parallel=max(args.lanes), slot_context=2048,
+def server_plan(server: str, args: argparse.Namespace) -> common.ServerPlan:
+    return common.ServerPlan(name=server, parallel=max(args.lanes), slot_context=2048,
                              threads=args.threads, llama_server=args.llama_server)
+
+
+@contextlib.contextmanager
+def started(label: str, server: str, flags: list[str], args: argparse.Namespace,
+            data: dict, logs: Path) -> Iterator[str]:
+    """The setting's server, started and warmed up: yields its root URL."""
+    plan = server_plan(server, args)
 
     def command(port: int) -> list[str]:
         return plan.command(port) + flags
 
-    rows = []
     name = "".join(c if c.isalnum() else "-" for c in label)  # a log file's name
     with common.spawned(name, command, logs) as (root, _, _):
-        url = f"{root}/v1"
-        asyncio.run(wave(url, "plain", 1, data, 8))  # warm-up: first-pass costs
-        for workload in args.workloads:
-            for lanes in args.lanes:
-                before = butter_counters(root) if server == "butter" else {}
-                row = asyncio.run(waves(url, workload, lanes, data, args.max_tokens,
-                                        args.repeats))
-                if server == "butter":
-                    after = butter_counters(root)
-                    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                    row["drafted"] = delta.get("butter_speculative_drafted_tokens_total", 0)
-                    row["accepted"] = delta.get("butter_speculative_accepted_tokens_total", 0)
-                    row["verifies"] = delta.get("butter_speculative_verifies_total", 0)
-                else:
-                    row["drafted"], row["accepted"] = row["peer_drafted"], row["peer_accepted"]
-                    row["verifies"] = None
-                row.update(setting=label, workload=workload,
-                           load=round(os.getloadavg()[0], 2))
-                common.console.print(
-                    f"{label:28} {workload:6} {lanes} lanes: {row['tok_s']:7.1f} tok/s, "
-                    f"TTFT p50 {1000 * (row['ttft_p50'] or 0):7.0f} ms, "
-                    f"drafted {row['drafted']:.0f} accepted {row['accepted']:.0f} "
-                    f"(load {row['load']})")
-                rows.append(row)
-    return rows
+        asyncio.run(wave(f"{root}/v1", "plain", 1, data, 8))  # warm-up: first-pass costs
+        yield root
+
+
+def measure_row(label: str, server: str, root: str, workload: str, lanes: int,
+                args: argparse.Namespace, data: dict) -> dict:
+    """One row: ``--repeats`` waves of ``workload`` at ``lanes`` on a running server."""
+    before = butter_counters(root) if server == "butter" else {}
+    row = asyncio.run(waves(f"{root}/v1", workload, lanes, data, args.max_tokens,
+                            args.repeats))
+    if server == "butter":
+        after = butter_counters(root)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        row["drafted"] = delta.get("butter_speculative_drafted_tokens_total", 0)
+        row["accepted"] = delta.get("butter_speculative_accepted_tokens_total", 0)
+        row["verifies"] = delta.get("butter_speculative_verifies_total", 0)
+    else:
+        row["drafted"], row["accepted"] = row["peer_drafted"], row["peer_accepted"]
+        row["verifies"] = None
+    row.update(setting=label, workload=workload, load=round(os.getloadavg()[0], 2))
+    common.console.print(
+        f"{label:28} {workload:6} {lanes} lanes: {row['tok_s']:7.1f} tok/s, "
+        f"TTFT p50 {1000 * (row['ttft_p50'] or 0):7.0f} ms, "
+        f"drafted {row['drafted']:.0f} accepted {row['accepted']:.0f} "
+        f"(load {row['load']})")
+    return row
+
+
+def run_setting(label: str, server: str, flags: list[str], args: argparse.Namespace,
+                data: dict, logs: Path) -> list[dict]:
+    with started(label, server, flags, args, data, logs) as root:
+        return [measure_row(label, server, root, workload, lanes, args, data)
+                for workload in args.workloads for lanes in args.lanes]
 
 
 def table(rows: list[dict], workload: str) -> Table:
@@ -249,13 +269,29 @@ def ratio_table(rows: list[dict], workload: str) -> Table:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     """Every setting in turn (``--rounds`` times, every other round in reverse order);
-    with ``--json`` the rows are saved after each one."""
+    with ``--interleave`` every setting's server at once, each row of a round on each
+    server in turn. With ``--json`` the rows are saved as they come."""
     data = json.loads(DATA.read_text())
     logs = common.log_dir(args)
     rows: list[dict] = []
     chosen = [(label, server, flags) for label, server, flags in settings(args)
               if not (args.only and server != args.only
                       or args.settings and label not in args.settings)]
+    if args.interleave:
+        with contextlib.ExitStack() as stack:
+            roots = {label: stack.enter_context(started(label, server, flags, args, data,
+                                                        logs))
+                     for label, server, flags in chosen}
+            for round_index in range(args.rounds):
+                order = chosen if round_index % 2 == 0 else chosen[::-1]
+                for workload in args.workloads:
+                    for lanes in args.lanes:
+                        for label, server, _ in order:
+                            row = measure_row(label, server, roots[label], workload, lanes,
+                                              args, data)
+                            rows.append({**row, "round": round_index})
+                            _save(args, rows)
+        return rows
     for round_index in range(args.rounds):
         order = chosen if round_index % 2 == 0 else chosen[::-1]
         for label, server, flags in order:
@@ -300,6 +336,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every setting this many times (alternating order); "
                              "report medians")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start every setting's server at once and run each row "
+                             "(workload, lanes) on each in turn, so drift in the machine's "
+                             "speed lands on every setting alike; idle servers wait")
     parser.add_argument("--repeats", type=int, default=1,
                         help="waves per workload and lane count, one after another, each "
                              "with its own prompt (a short one-lane wave is mostly noise)")
