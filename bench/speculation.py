@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -148,16 +149,12 @@ def butter_counters(root: str) -> dict[str, float]:
     return found
 
 
-def server_plan(server: str, args: argparse.Namespace) -> common.ServerPlan:
-    return common.ServerPlan(name=server, parallel=max(args.lanes), slot_context=2048,
-                             threads=args.threads, llama_server=args.llama_server)
-
-
 @contextlib.contextmanager
 def started(label: str, server: str, flags: list[str], args: argparse.Namespace,
             data: dict, logs: Path) -> Iterator[str]:
     """The setting's server, started and warmed up: yields its root URL."""
-    plan = server_plan(server, args)
+    plan = common.ServerPlan(name=server, parallel=max(args.lanes), slot_context=2048,
+                             threads=args.threads, llama_server=args.llama_server)
 
     def command(port: int) -> list[str]:
         return plan.command(port) + flags
@@ -282,15 +279,14 @@ def measure(args: argparse.Namespace) -> list[dict]:
             roots = {label: stack.enter_context(started(label, server, flags, args, data,
                                                         logs))
                      for label, server, flags in chosen}
-            for round_index in range(args.rounds):
+            for round_index, workload, lanes in itertools.product(
+                    range(args.rounds), args.workloads, args.lanes):
                 order = chosen if round_index % 2 == 0 else chosen[::-1]
-                for workload in args.workloads:
-                    for lanes in args.lanes:
-                        for label, server, _ in order:
-                            row = measure_row(label, server, roots[label], workload, lanes,
-                                              args, data)
-                            rows.append({**row, "round": round_index})
-                            _save(args, rows)
+                for label, server, _ in order:
+                    row = measure_row(label, server, roots[label], workload, lanes, args,
+                                      data)
+                    rows.append({**row, "round": round_index})
+                    _save(args, rows)
         return rows
     for round_index in range(args.rounds):
         order = chosen if round_index % 2 == 0 else chosen[::-1]
