@@ -47,6 +47,12 @@ passes of up to 62 drafts, every row with its logits, as if every draft were rig
 (each row's greedy draw is checked against the answer). The last verify row stays
 below 256 cells, as butter's exact verifies on a float cache do; past them, a pass a
 token. Speculation on / off can be no better than (prompt + plain) / (prompt + oracle).
+
+``--draw`` times what a greedy row costs after its pass: llama.cpp's greedy sampler
+(``llama_sampler_sample`` on a chain of greedy alone, which first copies every one of
+the vocabulary's candidates) against butter's GGUF back end, which reads the first
+highest logit straight off the row (``GGUFSampler``), median of ``--reps`` over every row
+of one real 64-row pass, and checks that both draw the same token on each.
 """
 
 from __future__ import annotations
@@ -267,6 +273,37 @@ def oracle(model, args: argparse.Namespace) -> None:
     ll.llama_free(ctx)
 
 
+def draws(model, args: argparse.Namespace) -> None:
+    from butter.backend import SamplingParams
+    from butter_backend_gguf.batch import GGUFSampler
+
+    ctx, _ = open_context(model, 1, STREAM_CELLS, args.threads)
+    rows = 64
+    prompt = quote_prompt(model)[:rows]
+    decode(ctx, [(0, token, position, True) for position, token in enumerate(prompt)])
+    n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+    chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+    ours = GGUFSampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0), n_vocab)
+    ways = {"llama.cpp's greedy sampler": lambda row: ll.llama_sampler_sample(chain, ctx, row),
+            "butter (off the logits)": lambda row: ours.sample(ctx, row, None)}
+    same = all(ways["llama.cpp's greedy sampler"](row) == ours.sample(ctx, row, None)
+               for row in range(len(prompt)))
+    print(f"SmolLM2-135M Q4_1, a greedy draw from each of {len(prompt)} rows "
+          f"({n_vocab} logits), median of {args.reps}; same tokens: {same}")
+    for name, way in ways.items():
+        times = []
+        for _ in range(args.reps):
+            for row in range(len(prompt)):
+                start = time.perf_counter()
+                way(row)
+                times.append(time.perf_counter() - start)
+        print(f"{name:28} {1e6 * statistics.median(times):6.1f} µs a row")
+    ours.close()
+    ll.llama_sampler_free(chain)
+    ll.llama_free(ctx)
+
+
 def prefill(model, args: argparse.Namespace) -> None:
     ctx, memory = open_context(model, 1, 8192, args.threads)
     ways = {"512-row passes (llama-server)": pieces(args.prefill, 512, 512),
@@ -296,13 +333,16 @@ def main() -> int:
                         help="the split-path reproduction instead (see above)")
     parser.add_argument("--oracle", action="store_true",
                         help="the quote's best case under exact speculation (see above)")
+    parser.add_argument("--draw", action="store_true",
+                        help="a greedy draw's cost per row, both ways (see above)")
     args = parser.parse_args()
     ll.llama_log_set(_quiet, ctypes.c_void_p(0))
     ll.llama_backend_init()
     # As both servers run here (butter's GGUF back end; llama-server --no-repack on AMX).
     model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params())
-    if args.prefill or args.paths or args.oracle:
-        (paths if args.paths else oracle if args.oracle else prefill)(model, args)
+    if args.prefill or args.paths or args.oracle or args.draw:
+        (paths if args.paths else oracle if args.oracle else draws if args.draw
+         else prefill)(model, args)
         ll.llama_model_free(model)
         return 0
     ctx, memory = open_context(model, STREAMS, STREAMS * STREAM_CELLS, args.threads)
