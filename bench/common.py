@@ -186,6 +186,18 @@ def running_server(plan: ServerPlan, log_dir: Path) -> Iterator[str]:
         yield f"{root}/v1"
 
 
+def butter_counters(root: str, wanted: tuple[str, ...]) -> dict[str, float]:
+    """The ``wanted`` series of a butter server's ``/metrics`` at ``root``, each summed
+    over its labels."""
+    text = httpx.get(f"{root}/metrics", timeout=10).text
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in wanted:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def log_dir(args: argparse.Namespace) -> Path:
     path = args.log_dir or Path(tempfile.mkdtemp(prefix="butter-bench-"))
     path.mkdir(parents=True, exist_ok=True)

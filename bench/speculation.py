@@ -137,16 +137,12 @@ async def waves(url: str, workload: str, lanes: int, data: dict, max_tokens: int
             "peer_accepted": sum(w["peer_accepted"] for w in done)}
 
 
+COUNTERS = ("butter_speculative_verifies_total", "butter_speculative_drafted_tokens_total",
+            "butter_speculative_accepted_tokens_total", "butter_model_passes_total")
+
+
 def butter_counters(root: str) -> dict[str, float]:
-    text = httpx.get(f"{root}/metrics", timeout=10).text
-    wanted = ("butter_speculative_verifies_total", "butter_speculative_drafted_tokens_total",
-              "butter_speculative_accepted_tokens_total", "butter_model_passes_total")
-    found = {}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in wanted:
-            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
+    return common.butter_counters(root, COUNTERS)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ SERIES = (
     "butter_kv_used_cells", "butter_prompt_tokens_total", "butter_cached_tokens_total",
     "butter_generated_tokens_total", "butter_prefill_chunks_total",
     "butter_prefill_tokens_total", "butter_decode_steps_total", "butter_model_passes_total",
+    "butter_decode_step_seconds_total", "butter_decode_pass_seconds_total",
     'butter_cancellations_total{phase="queued"}', 'butter_cancellations_total{phase="prefill"}',
     'butter_cancellations_total{phase="decode"}', "butter_fused_batching", "butter_engine_alive",
     "butter_engine_step_running_seconds",
@@ -86,6 +87,19 @@ def test_todays_series_and_the_histograms_count_every_request_and_token(engine):
         assert metrics[f'{name}_bucket{{le="+Inf"}}'] == metrics[f"{name}_count"]
         assert metrics[f"{name}_sum"] >= 0
         assert not any(key.startswith(f"{name}_created") for key in metrics)
+
+
+def test_decode_only_steps_count_their_time_and_the_pass_inside_it(engine):
+    engine.model.runtime.delay = 0.005  # every step's pass takes 5 ms
+    assert run(engine, [1, 2, 3], max_tokens=21).reason == "length"
+    metrics = scrape(engine)
+    # The first token comes with the prompt; every step after it only decoded (fewer
+    # than 20: some verify drafts).
+    steps = metrics["butter_decode_steps_total"]
+    assert 0 < steps <= 20
+    passes = metrics["butter_decode_pass_seconds_total"]
+    assert passes >= steps * 0.005
+    assert metrics["butter_decode_step_seconds_total"] > passes
 
 
 def test_a_request_cancelled_while_decoding_has_a_first_token_but_no_e2e(engine):

@@ -87,6 +87,11 @@ class Metrics:
     draft_verifies: int = 0  # decode rows that carried drafted tokens
     draft_tokens: int = 0  # drafted tokens verified
     draft_accepted_tokens: int = 0  # drafted tokens equal to what decoding drew
+    # Engine iterations that only decoded (no prompt chunk): their whole time, and the
+    # part inside the back end's step (the native pass and the draws). The rest is the
+    # engine's own work per step: planning, token bookkeeping, handing text out.
+    decode_step_seconds: float = 0.0
+    decode_pass_seconds: float = 0.0
     cancellations: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(CANCEL_PHASES, 0))
     # Gauges: what the engine holds, replaced whole once per iteration (never field by field).
     gauges: Gauges = attrs.field(factory=Gauges)
@@ -183,6 +188,13 @@ class _Exposition(Collector):
                             "Engine steps that decoded at least one token.", m.decode_steps)
         yield self._counter("butter_model_passes_total", "Native model calls (llama_decode).",
                             m.model_passes)
+        yield self._counter("butter_decode_step_seconds_total",
+                            "Seconds of engine iterations that only decoded (no prompt "
+                            "chunk), from planning to handing their text out.",
+                            m.decode_step_seconds)
+        yield self._counter("butter_decode_pass_seconds_total",
+                            "Of those, seconds inside the back end's step: the native "
+                            "model pass and the draws.", m.decode_pass_seconds)
         yield self._counter("butter_speculative_verifies_total",
                             "Decode rows that verified drafted tokens (prompt lookup).",
                             m.draft_verifies)
@@ -209,7 +221,7 @@ class _Exposition(Collector):
                           0.0 if started is None else time.monotonic() - started)
         yield from _labelled(m.registry.collect(), model=self.model_id)
 
-    def _counter(self, name: str, help_text: str, value: int) -> CounterMetricFamily:
+    def _counter(self, name: str, help_text: str, value: float) -> CounterMetricFamily:
         # The family drops the ``_total`` of ``name``; its sample keeps it.
         family = CounterMetricFamily(name, help_text, labels=("model",))
         family.add_metric((self.model_id,), value)

@@ -103,6 +103,7 @@ class Engine:
         self._runtime: Runtime | None = None
         self._admission: Admission | None = None
         self._planner: Planner | None = None
+        self._pass_seconds = 0.0  # this step's time inside the runtime (engine thread)
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         # Set when the thread ended without being asked to: the server must not live on.
@@ -185,16 +186,20 @@ class Engine:
                 stop = self._drain_inbox(block=not self._active and not self._waiting)
                 if stop is not None:
                     break
+                started = time.perf_counter()
+                decode_only = False
                 try:
                     self._reap_cancelled()
                     self._admit()
                     if self._active:
-                        self._step()
+                        decode_only = self._step()
                 except Exception:  # a bug must not take the engine down with it
                     log.exception("engine step failed; failing the active requests")
                     self._fail(list(self._active))
                 self._update_gauges()
                 self._outbox.flush()
+                if decode_only:
+                    self.metrics.decode_step_seconds += time.perf_counter() - started
         except BaseException:  # nothing may end this loop but a stop: this is a death
             log.critical("the engine thread died", exc_info=True)
         finally:
@@ -371,14 +376,17 @@ class Engine:
         """The tokens ``request``'s grammar allows next (None: any): it stays in the batch."""
         return request.constraint.mask() if request.constraint is not None else None
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Run the next step's plan; whether it only decoded (no prompt chunk in it)."""
         plan = [(planned.request, planned.work) for planned in self._planner.tick(self._active)]
         if not plan:
-            return
+            return False
         decoding = any(request.phase is Phase.DECODE for request, _ in plan)
+        decode_only = all(request.phase is Phase.DECODE for request, _ in plan)
         # While it runs, /metrics tells a step that takes long (a CPU other processes
         # crowd) from requests nobody works on: the gauges are the last iteration's.
         self.metrics.step_started = time.monotonic()
+        self._pass_seconds = 0.0
         try:
             if self.fused:
                 self._run_work(plan)
@@ -389,14 +397,19 @@ class Engine:
             self.metrics.step_started = None
         if decoding:
             self.metrics.decode_steps += 1
+        if decode_only:
+            self.metrics.decode_pass_seconds += self._pass_seconds
+        return decode_only
 
     def _run_work(self, plan: list[tuple[Request, Work]]) -> None:
         """One step of ``plan``; a failing step is retried in halves, as llama-server
         does, so only the request that cannot run fails."""
         self.metrics.model_passes += 1
+        started = time.perf_counter()
         try:
             tokens = self._runtime.step([work for _, work in plan])
         except StepFailedError as exc:
+            self._pass_seconds += time.perf_counter() - started
             if len(plan) == 1:
                 log.error("model pass failed: %s", exc)
                 self._fail([plan[0][0]])
@@ -407,6 +420,7 @@ class Engine:
             self._run_work(plan[:half])
             self._run_work(plan[half:])
             return
+        self._pass_seconds += time.perf_counter() - started
         for (request, work), token in zip(plan, tokens):
             if work.draft:
                 self._verified(request, work, token)
