@@ -23,7 +23,11 @@ butter on (and its A/A copy) against each llama-server ``--spec-type`` run.
 ``--interleave`` starts every setting's server at once (an idle one waits, taking no
 CPU) and runs each row (workload, lane count) on each server in turn, in the round's
 order: a row is seconds to a minute, so drift in the machine's speed, which a server's
-block of rows takes minutes to show, lands on every setting alike.
+block of rows takes minutes to show, lands on every setting alike. The servers then live
+through every round, so each round numbers its repeats on from the last ("(4) " and on
+in the second round of four repeats): llama-server keeps the prompts it has read in host
+memory (``--cache-ram``, 8 GiB by default) and would answer a round's prompt from the
+read of an earlier round.
 
 ``--repeats N`` runs each workload and lane count N times in a row on the same server
 and reports them as one row (tokens over the summed wall time, TTFT p50 over every
@@ -120,11 +124,12 @@ async def wave(url: str, workload: str, lanes: int, data: dict, max_tokens: int,
 
 
 async def waves(url: str, workload: str, lanes: int, data: dict, max_tokens: int,
-                repeats: int) -> dict:
+                repeats: int, first: int = 0) -> dict:
     """``repeats`` waves one after another (``--repeats``), as one row: tokens over the
-    waves' summed wall time, TTFT p50 over every request."""
+    waves' summed wall time, TTFT p50 over every request. Their prompts are numbered
+    from ``first``."""
     done = [await wave(url, workload, lanes, data, max_tokens, repeat)
-            for repeat in range(repeats)]
+            for repeat in range(first, first + repeats)]
     tokens, wall = sum(w["tokens"] for w in done), sum(w["wall_s"] for w in done)
     ttft = common.median([t for w in done for t in w["ttfts"]])
     # The rate after the first token (what llama-server's timings call predicted tokens
@@ -162,11 +167,12 @@ def started(label: str, server: str, flags: list[str], args: argparse.Namespace,
 
 
 def measure_row(label: str, server: str, root: str, workload: str, lanes: int,
-                args: argparse.Namespace, data: dict) -> dict:
-    """One row: ``--repeats`` waves of ``workload`` at ``lanes`` on a running server."""
+                args: argparse.Namespace, data: dict, round_index: int = 0) -> dict:
+    """One row: ``--repeats`` waves of ``workload`` at ``lanes`` on a running server,
+    their prompts numbered on from the rounds before ``round_index``."""
     before = butter_counters(root) if server == "butter" else {}
     row = asyncio.run(waves(f"{root}/v1", workload, lanes, data, args.max_tokens,
-                            args.repeats))
+                            args.repeats, round_index * args.repeats))
     if server == "butter":
         after = butter_counters(root)
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -280,7 +286,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 order = chosen if round_index % 2 == 0 else chosen[::-1]
                 for label, server, _ in order:
                     row = measure_row(label, server, roots[label], workload, lanes, args,
-                                      data)
+                                      data, round_index)
                     rows.append({**row, "round": round_index})
                     _save(args, rows)
         return rows

@@ -89,12 +89,12 @@ def test_todays_series_and_the_histograms_count_every_request_and_token(engine):
         assert not any(key.startswith(f"{name}_created") for key in metrics)
 
 
-def test_decode_only_steps_count_their_time_and_the_pass_inside_it(engine):
+def test_decode_steps_count_their_time_and_the_pass_inside_it(engine):
     engine.model.runtime.delay = 0.005  # every step's pass takes 5 ms
     assert run(engine, [1, 2, 3], max_tokens=21).reason == "length"
     metrics = scrape(engine)
-    # The first token comes with the prompt; every step after it only decoded (fewer
-    # than 20: some verify drafts).
+    # The first token comes with the prompt; every step after it decoded (fewer than 20:
+    # some verify drafts).
     steps = metrics["butter_decode_steps_total"]
     assert 0 < steps <= 20
     passes = metrics["butter_decode_pass_seconds_total"]

@@ -87,9 +87,9 @@ class Metrics:
     draft_verifies: int = 0  # decode rows that carried drafted tokens
     draft_tokens: int = 0  # drafted tokens verified
     draft_accepted_tokens: int = 0  # drafted tokens equal to what decoding drew
-    # Engine iterations that only decoded (no prompt chunk): their whole time, and the
-    # part inside the back end's step (the native pass and the draws). The rest is the
-    # engine's own work per step: planning, token bookkeeping, handing text out.
+    # The decode steps' (``decode_steps``) whole time, and the part inside the back end's
+    # step (the native passes and the draws). The rest is the engine's own work per
+    # step: planning, token bookkeeping, handing text out.
     decode_step_seconds: float = 0.0
     decode_pass_seconds: float = 0.0
     cancellations: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(CANCEL_PHASES, 0))
@@ -189,12 +189,13 @@ class _Exposition(Collector):
         yield self._counter("butter_model_passes_total", "Native model calls (llama_decode).",
                             m.model_passes)
         yield self._counter("butter_decode_step_seconds_total",
-                            "Seconds of engine iterations that only decoded (no prompt "
-                            "chunk), from planning to handing their text out.",
+                            "Seconds of the decode steps, from planning to handing their "
+                            "text out.",
                             m.decode_step_seconds)
         yield self._counter("butter_decode_pass_seconds_total",
                             "Of those, seconds inside the back end's step: the native "
-                            "model pass and the draws.", m.decode_pass_seconds)
+                            "model passes (prompt chunks beside the rows included) and "
+                            "the draws.", m.decode_pass_seconds)
         yield self._counter("butter_speculative_verifies_total",
                             "Decode rows that verified drafted tokens (prompt lookup).",
                             m.draft_verifies)

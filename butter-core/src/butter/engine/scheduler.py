@@ -187,18 +187,18 @@ class Engine:
                 if stop is not None:
                     break
                 started = time.perf_counter()
-                decode_only = False
+                decoded = False
                 try:
                     self._reap_cancelled()
                     self._admit()
                     if self._active:
-                        decode_only = self._step()
+                        decoded = self._step()
                 except Exception:  # a bug must not take the engine down with it
                     log.exception("engine step failed; failing the active requests")
                     self._fail(list(self._active))
                 self._update_gauges()
                 self._outbox.flush()
-                if decode_only:
+                if decoded:
                     self.metrics.decode_step_seconds += time.perf_counter() - started
         except BaseException:  # nothing may end this loop but a stop: this is a death
             log.critical("the engine thread died", exc_info=True)
@@ -377,12 +377,11 @@ class Engine:
         return request.constraint.mask() if request.constraint is not None else None
 
     def _step(self) -> bool:
-        """Run the next step's plan; whether it only decoded (no prompt chunk in it)."""
+        """Run the next step's plan; whether it decoded (a decoding request's row in it)."""
         plan = [(planned.request, planned.work) for planned in self._planner.tick(self._active)]
         if not plan:
             return False
         decoding = any(request.phase is Phase.DECODE for request, _ in plan)
-        decode_only = all(request.phase is Phase.DECODE for request, _ in plan)
         # While it runs, /metrics tells a step that takes long (a CPU other processes
         # crowd) from requests nobody works on: the gauges are the last iteration's.
         self.metrics.step_started = time.monotonic()
@@ -397,9 +396,8 @@ class Engine:
             self.metrics.step_started = None
         if decoding:
             self.metrics.decode_steps += 1
-        if decode_only:
             self.metrics.decode_pass_seconds += self._pass_seconds
-        return decode_only
+        return decoding
 
     def _run_work(self, plan: list[tuple[Request, Work]]) -> None:
         """One step of ``plan``; a failing step is retried in halves, as llama-server
