@@ -23,8 +23,8 @@ class GGUFSampler:
 
     A chain of greedy alone is read straight off the logits: the first highest logit,
     the token llama.cpp's greedy sampler picks. The chain would first copy every one of
-    the vocabulary's candidates (about 90 µs a row on SmolLM2's 49,152; the argmax takes
-    9), and a verify draws once per draft."""
+    the vocabulary's candidates (60 µs a row on SmolLM2's 49,152, ``bench/row_cost.py
+    --draw``; the argmax takes 9), and a verify draws once per draft."""
 
     def __init__(self, params: SamplingParams, n_vocab: int) -> None:
         self.params = params
