@@ -226,6 +226,15 @@ class FakeRuntime:
         self.forks.append((source, target, length))
         return True
 
+    def save(self, session: int, length: int) -> list[int] | None:
+        held = self.held[session]
+        return list(held) if self.kv.saves and len(held) == length else None
+
+    def restore(self, session: int, saved: list[int], length: int) -> bool:
+        self.held[session] = list(saved[:length])
+        self._cells[session] = [next(self._new_cell) for _ in range(length)]
+        return True
+
     def describe(self) -> dict[str, object]:
         return {"fake": True}
 

@@ -19,6 +19,7 @@ def butter(*args, timeout=60):
     ("serve", "--model", "smollm2", "--parallel", "0"),
     ("serve", "--model", "smollm2", "--ubatch-size", "0"),
     ("serve", "--model", "smollm2", "--bogus"),
+    ("serve", "--model", "smollm2", "--cache-ram", "-1"),
     ("frobnicate",),
 ])
 def test_bad_flags_exit_non_zero_with_one_line(args):

@@ -386,7 +386,9 @@ class GGUFRuntime:
                               "snapshots", 0) * snapshot.get("snapshot_bytes", 0),
                           token_bytes=token_bytes,
                           max_positions=kv.window or per_stream, fork=fork, truncate=truncate,
-                          window=kv.window, per_session=self.per_session, **snapshot)
+                          window=kv.window, per_session=self.per_session,
+                          saves=self.per_session and rewinds and kv.window is None
+                          and not model.recurrent_state, **snapshot)
 
     def _start_snapshots(self, n_sessions: int) -> tuple[int, dict[str, int]]:
         """Keep snapshots of the recurrent state. Measured on two tokens fed to session 0
@@ -656,6 +658,33 @@ class GGUFRuntime:
         elif snapshots is not None:
             snapshots.forget(session)
         self._lengths[session] = keep
+        return True
+
+    def save(self, session: int, length: int) -> ctypes.Array | None:
+        """``session``'s keys and values, ``length`` tokens, as host bytes
+        (``llama_state_seq_get_data``, as llama-server's ``--cache-ram`` keeps a slot's
+        prompt). Only per-session streams of a model that rewinds, without a window:
+        restored into an empty stream, the cells land in position order as a read puts
+        them, so a restored prefix gives the answers a fresh read gives."""
+        if not self.kv.saves or session in self._lost or self._lengths[session] != length \
+                or length == 0:
+            return None
+        size = int(ll.llama_state_seq_get_size(self._ctx, session))
+        buf = (ctypes.c_uint8 * size)()
+        if ll.llama_state_seq_get_data(self._ctx, buf, size, session) != size:
+            return None
+        return buf
+
+    def restore(self, session: int, saved: ctypes.Array, length: int) -> bool:
+        """Load what :meth:`save` gave (``length`` tokens) into ``session``, emptied first;
+        False leaves it empty."""
+        ll.llama_memory_seq_rm(self._memory, session, 0, -1)
+        self._lengths[session] = 0
+        self._lost.discard(session)
+        if ll.llama_state_seq_set_data(self._ctx, saved, len(saved), session) != len(saved):
+            ll.llama_memory_seq_rm(self._memory, session, 0, -1)
+            return False
+        self._lengths[session] = length
         return True
 
     def reachable(self, session: int, keep: int) -> int:

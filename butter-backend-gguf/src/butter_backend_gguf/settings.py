@@ -44,5 +44,5 @@ def session_layout(options: Mapping[str, object], parallel: int) -> SessionLayou
     """Per-session: a stream per active session (llama-server's slots), an idle session
     keeps its cache in its own stream. Shared: one cache, the engine's spare sessions."""
     if (options.get("kv_layout") or DEFAULT_LAYOUT) == "per-session":
-        return SessionLayout(n_sessions=parallel, streams=parallel)
+        return SessionLayout(n_sessions=parallel, streams=parallel, prompt_cache=True)
     return SessionLayout()

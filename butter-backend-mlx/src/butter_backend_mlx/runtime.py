@@ -485,6 +485,12 @@ class MLXRuntime:
         self._cut(session, keep)
         return True
 
+    def save(self, session: int, length: int) -> None:
+        return None  # kv.saves is false: no prompt cache in host memory yet
+
+    def restore(self, session: int, saved: object, length: int) -> bool:
+        return False
+
     def reachable(self, session: int, keep: int) -> int:
         snapshots = self._snapshots
         return self.kv.reachable(self._lengths[session], keep, None if snapshots is None

@@ -134,6 +134,9 @@ class KVFacts:
     snapshot_bytes: int = 0
     snapshots: int = 0
     snapshot_every: int = 1
+    # ``Runtime.save`` copies a session's cache to host memory and ``restore`` puts it
+    # back (the prompt cache, ``--cache-ram``).
+    saves: bool = False
 
     def cost(self, tokens: int) -> int:
         """Bytes a session holding ``tokens`` tokens takes, its state snapshots included."""
@@ -254,6 +257,14 @@ class Runtime(Protocol):
 
         False leaves ``target`` untouched (``kv.fork`` says what a fork costs)."""
 
+    def save(self, session: int, length: int) -> object | None:
+        """``session``'s cache of ``length`` tokens as host bytes, to :meth:`restore`
+        later into any session; None where it cannot (``kv.saves`` false)."""
+
+    def restore(self, session: int, saved: object, length: int) -> bool:
+        """Make ``session`` hold the ``length`` tokens ``saved`` holds; False leaves it
+        empty."""
+
     def describe(self) -> dict[str, object]:
         """Back-end facts for the model card (micro-batch rows, threads, ...)."""
 
@@ -332,6 +343,8 @@ class SessionLayout:
 
     n_sessions: int = 0  # sessions the runtime holds; 0: the engine's (parallel + 2)
     streams: int = 1  # the KV budget splits into this many equal, private shares
+    # Whether a session's cache can go to host memory and back (``--cache-ram``).
+    prompt_cache: bool = False
 
 
 @attrs.frozen

@@ -38,6 +38,7 @@ from butter.chat.template import ChatTemplate
 from butter.engine.constraint import Constraint, Grammars
 from butter.engine.events import SyncChannel
 from butter.engine.planner import PREFILL_CHUNK
+from butter.engine.promptcache import DEFAULT_MIB, MIB
 from butter.engine.records import Request
 from butter.engine.scheduler import Engine, EngineConfig
 from butter.errors import (
@@ -152,7 +153,7 @@ class Model:
     def engine_config(self, *, parallel: int = 1, capacity: int | None = None,
                       prefill_chunk: int = PREFILL_CHUNK, kv: KVSpec | None = None,
                       options: Mapping[str, object] | None = None,
-                      speculation: str = "ngram") -> EngineConfig:
+                      speculation: str = "ngram", cache_ram: int = DEFAULT_MIB) -> EngineConfig:
         """The engine settings for this model (``butter serve``'s flags); ``options`` are
         its back end's own settings (``Backend.options``), refused with a 400 if it does
         not declare one or a value cannot work."""
@@ -160,7 +161,8 @@ class Model:
         layout = self.backend.session_layout(options, parallel)
         return EngineConfig(parallel=parallel, capacity=capacity or self.info.n_ctx_train,
                             prefill_chunk=prefill_chunk, n_sessions=layout.n_sessions,
-                            kv=kv or KVSpec(), options=options, speculation=speculation)
+                            kv=kv or KVSpec(), options=options, speculation=speculation,
+                            prompt_cache_bytes=cache_ram * MIB)
 
     @property
     def key(self) -> str:

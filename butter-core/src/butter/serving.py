@@ -21,6 +21,7 @@ from butter.chat.recovery import Delta, ToolCall
 from butter.chat.request import ChatRequest
 from butter.engine.events import Admitted, AsyncChannel, Failed
 from butter.engine.planner import PREFILL_CHUNK
+from butter.engine.promptcache import DEFAULT_MIB
 from butter.engine.records import Request
 from butter.errors import (
     ButterError,
@@ -234,14 +235,15 @@ class ButterServeBackend:
                  prefill_chunk: int = PREFILL_CHUNK, kv: KVSpec | None = None,
                  backend_options: Mapping[str, Mapping[str, object]] | None = None,
                  enable_thinking: bool | None = None,
-                 reasoning_effort: str | None = None, speculation: str = "ngram") -> None:
+                 reasoning_effort: str | None = None, speculation: str = "ngram",
+                 cache_ram: int = DEFAULT_MIB) -> None:
         self.model = model
         self._model_id = model_id or model.model_id
         self.enable_thinking = enable_thinking
         self.reasoning_effort = reasoning_effort
         self.engine = model.start_engine(model.engine_config(
             parallel=maximum_concurrent_requests, capacity=max_context,
-            prefill_chunk=prefill_chunk, kv=kv, speculation=speculation,
+            prefill_chunk=prefill_chunk, kv=kv, speculation=speculation, cache_ram=cache_ram,
             options=(backend_options or {}).get(model.backend.name)))
 
     @property

@@ -23,6 +23,7 @@ from butter.cli.common import (
     positive,
 )
 from butter.engine.planner import PREFILL_CHUNK
+from butter.engine.promptcache import DEFAULT_MIB
 from butter.errors import ButterError
 
 if TYPE_CHECKING:
@@ -70,6 +71,11 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
                             "prediction head drafts (Qwen3.5 folders with mtp.* weights, "
                             "MLX back end); none: never (a request's `speculation: "
                             "false` turns it off for that request)")
+    serve.add_argument("--cache-ram", type=count, default=None, metavar="MIB",
+                       help="host memory for the caches of prompts whose session another "
+                            "prompt took; a later prompt that starts the same loads its "
+                            "cache back instead of reading it (llama-server's --cache-ram; "
+                            f"default {DEFAULT_MIB} where the back end can, 0: none)")
     serve.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default=None)
     serve.add_argument("--kv-cache", default="raw", help=KV_CODECS_HELP)

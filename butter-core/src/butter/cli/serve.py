@@ -20,6 +20,7 @@ from butter.cli.common import (
     setup_logging,
 )
 from butter.cli.pull import fetch_model
+from butter.engine.promptcache import DEFAULT_MIB
 from butter.errors import ButterError
 from butter.http.access import DEFAULT_ALLOWED_ORIGINS, AccessPolicy, is_loopback
 from butter.http.app import ROUTES
@@ -76,6 +77,7 @@ def resident_backend(args: argparse.Namespace, loader: ModelLoader, kv: KVSpec,
         max_context=args.max_context,
         prefill_chunk=args.prefill_chunk,
         speculation=args.speculation,
+        cache_ram=DEFAULT_MIB if args.cache_ram is None else args.cache_ram,
         kv=kv,
         backend_options=options,
         enable_thinking=args.enable_thinking,
@@ -161,6 +163,11 @@ def check_flags(args: argparse.Namespace, plugins: Plugins, *, listen: bool = Tr
                          f"model's trained context ({trained})")
     if window is not None:
         _check_window(args, window, trained, streams)
+    if args.cache_ram and (window is not None
+                           or not backend.session_layout(options, args.parallel).prompt_cache):
+        raise UsageError("--cache-ram", f"the {backend.name} back end keeps no prompt cache "
+                         "in host memory with these settings (GGUF: per-session KV streams, "
+                         "no KV window)")
     return loader, access, kv, {backend.name: options}
 
 

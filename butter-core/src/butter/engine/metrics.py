@@ -69,6 +69,8 @@ class Gauges:
     kv_used_cells: int = 0
     kv_reserved_bytes: int = 0
     kv_used_bytes: int = 0
+    prompt_cache_bytes: int = 0  # host memory the saved prompts take (--cache-ram)
+    prompt_cache_entries: int = 0
 
 
 @attrs.define
@@ -92,6 +94,9 @@ class Metrics:
     # step: planning, token bookkeeping, handing text out.
     decode_step_seconds: float = 0.0
     decode_pass_seconds: float = 0.0
+    prompt_cache_saves: int = 0  # session caches copied to host memory
+    prompt_cache_hits: int = 0  # prompts that loaded a saved cache
+    prompt_cache_tokens: int = 0  # prompt tokens those loads held
     cancellations: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(CANCEL_PHASES, 0))
     # Gauges: what the engine holds, replaced whole once per iteration (never field by field).
     gauges: Gauges = attrs.field(factory=Gauges)
@@ -178,6 +183,19 @@ class _Exposition(Collector):
                             m.prompt_tokens)
         yield self._counter("butter_cached_tokens_total",
                             "Prompt tokens reused from a session's KV.", m.cached_tokens)
+        yield self._counter("butter_prompt_cache_saves_total",
+                            "Session caches copied to host memory before another prompt took "
+                            "their session (--cache-ram).", m.prompt_cache_saves)
+        yield self._counter("butter_prompt_cache_hits_total",
+                            "Prompts that loaded a cache saved in host memory.",
+                            m.prompt_cache_hits)
+        yield self._counter("butter_prompt_cache_tokens_total",
+                            "Prompt tokens loaded from host memory instead of read (also "
+                            "counted in butter_cached_tokens_total).", m.prompt_cache_tokens)
+        yield self._gauge("butter_prompt_cache_bytes", "Host memory the saved prompt caches "
+                          "take, in bytes.", g.prompt_cache_bytes)
+        yield self._gauge("butter_prompt_cache_entries", "Prompt caches saved in host memory.",
+                          g.prompt_cache_entries)
         yield self._counter("butter_generated_tokens_total", "Completion tokens sampled.",
                             m.generated_tokens)
         yield self._counter("butter_prefill_chunks_total", "Prefill chunks run.",

@@ -38,6 +38,7 @@ from butter.engine.admission import Admission
 from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta
 from butter.engine.metrics import Gauges, Metrics
 from butter.engine.planner import PREFILL_CHUNK, Planner
+from butter.engine.promptcache import DEFAULT_MIB, MIB, PromptCache
 from butter.engine.records import Phase, Request, Session
 from butter.engine.speculation import Drafter
 from butter.engine.text import StopMatcher
@@ -62,6 +63,9 @@ class EngineConfig:
     # verifies exactly; ``mtp``: from the checkpoint's own multi-token-prediction head
     # (``ModelInfo.draft_head``); ``none``: never (``--speculation``).
     speculation: str = "ngram"
+    # Host memory for session caches another prompt displaced (``--cache-ram``, MiB;
+    # 0: none), where the runtime saves them (``KVFacts.saves``).
+    prompt_cache_bytes: int = DEFAULT_MIB * MIB
     # The back end's own settings (``Backend.options``), checked, passed through.
     options: dict = attrs.field(factory=dict)
 
@@ -103,6 +107,7 @@ class Engine:
         self._runtime: Runtime | None = None
         self._admission: Admission | None = None
         self._planner: Planner | None = None
+        self._prompt_cache: PromptCache | None = None
         self._pass_seconds = 0.0  # this step's time inside the runtime (engine thread)
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -126,7 +131,11 @@ class Engine:
     @property
     def runtime_facts(self) -> dict[str, object]:
         """What the back end settled (micro-batch rows...), for the model card."""
-        return self._runtime.describe() if self._runtime else {}
+        if self._runtime is None:
+            return {}
+        cache = self._prompt_cache
+        return {**self._runtime.describe(),
+                "prompt_cache_mib": cache.budget // MIB if cache is not None else 0}
 
     @property
     def alive(self) -> bool:
@@ -169,6 +178,12 @@ class Engine:
             self._planner = Planner(max_batch=self._runtime.max_batch,
                                     prefill_chunk=self.config.prefill_chunk, mask=self._mask,
                                     draft=self._draft)
+            if self._runtime.kv.saves and self.config.prompt_cache_bytes > 0:
+                self._prompt_cache = PromptCache(self.config.prompt_cache_bytes)
+            elif self.config.prompt_cache_bytes > 0:
+                log.info("no prompt cache in host memory: this model's cache cannot be "
+                         "saved and loaded back (recurrent state, a KV window, a shared "
+                         "KV layout or a back end without one)")
             self.metrics.sessions_total = len(self._sessions)
             self.metrics.kv_capacity_cells = self._admission.capacity
             self.metrics.kv_budget_bytes = self._runtime.kv.budget_bytes
@@ -275,6 +290,7 @@ class Engine:
                     continue
                 return  # the head waits for capacity; FIFO keeps everyone behind it
             for victim in evict:
+                self._save(victim, keep=0)
                 self._runtime.truncate(victim.seq_id, 0)
                 victim.tokens.clear()
             self._waiting.popleft()
@@ -289,11 +305,13 @@ class Engine:
         request.session = session
         self.metrics.latency.request_queue_time.observe(time.monotonic() - request.submitted_at)
         if len(session.tokens) > reuse:
+            self._save(session, keep=reuse)
             if not self._runtime.truncate(session.seq_id, reuse):
                 self._runtime.truncate(session.seq_id, 0)
                 reuse = 0
             del session.tokens[reuse:]
         reuse = self._share_prefix(request, session, reuse)
+        reuse = self._load_saved(request, session, reuse)
         request.cached_tokens = reuse
         request.next_prefill = reuse
         request.phase = Phase.PREFILL
@@ -336,6 +354,37 @@ class Engine:
         if source is None or not self._runtime.fork(source.seq_id, session.seq_id, shared):
             return reuse
         session.tokens[:] = source.tokens[:shared]
+        return shared
+
+    def _save(self, session: Session, *, keep: int) -> None:
+        """Copy ``session``'s cache to the prompt cache before it drops all but ``keep``
+        tokens, when that is most of it and no saved entry holds it already."""
+        cache, tokens = self._prompt_cache, session.tokens
+        if cache is None or keep * 2 >= len(tokens) or cache.covers(tokens):
+            return
+        data = self._runtime.save(session.seq_id, len(tokens))
+        if data is not None:
+            cache.keep(tokens, data, len(data))
+            self.metrics.prompt_cache_saves += 1
+
+    def _load_saved(self, request: Request, session: Session, reuse: int) -> int:
+        """Load the saved cache sharing the longest prefix with the prompt into
+        ``session``, if it beats the ``reuse`` tokens the session holds; the new reuse."""
+        cache = self._prompt_cache
+        if cache is None:
+            return reuse
+        entry, shared = cache.best(request.prompt_tokens, better_than=reuse)
+        if entry is None:
+            return reuse
+        seq_id = session.seq_id
+        if not (self._runtime.restore(seq_id, entry.data, len(entry.tokens))
+                and self._runtime.truncate(seq_id, shared)):
+            self._runtime.truncate(seq_id, 0)
+            session.tokens.clear()
+            return 0
+        session.tokens[:] = entry.tokens[:shared]
+        self.metrics.prompt_cache_hits += 1
+        self.metrics.prompt_cache_tokens += shared
         return shared
 
     def _speculates(self, request: Request) -> bool:
@@ -558,7 +607,9 @@ class Engine:
             kv_used_cells=sum(len(s.tokens) for s in self._sessions),
             # bytes as the codec stores them, windows capped
             kv_reserved_bytes=sum(bytes_of(r.reservation) for r in self._active),
-            kv_used_bytes=sum(bytes_of(len(s.tokens)) for s in self._sessions))
+            kv_used_bytes=sum(bytes_of(len(s.tokens)) for s in self._sessions),
+            prompt_cache_bytes=self._prompt_cache.bytes if self._prompt_cache else 0,
+            prompt_cache_entries=len(self._prompt_cache) if self._prompt_cache else 0)
 
     def _shutdown(self, error: ButterError) -> None:
         for request in list(self._waiting) + list(self._active):

@@ -1,0 +1,107 @@
+"""The prompt cache in host memory (`--cache-ram`) on the real model.
+
+One session (`--parallel 1`): a second, unrelated prompt takes the session that held the
+first, so asking the first again would read its whole prompt. With the cache the session's
+keys and values went to host memory first, and the repeat loads them back: the client sees
+`cached_tokens` cover the prompt and the same answer, greedy or seeded.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import notes
+
+
+@pytest.fixture(scope="module")
+def one_session():
+    from conftest import ServerProcess
+
+    process = ServerProcess("--parallel", "1")
+    yield process
+    process.stop()
+
+
+def ask(client, system: str, question: str, **fields):
+    return client.chat.completions.create(
+        model="smollm2", max_tokens=24,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        **{"temperature": 0, **fields})
+
+
+def cached(completion) -> int:
+    return completion.usage.prompt_tokens_details.cached_tokens
+
+
+def client_of(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key="-", max_retries=0, timeout=120)
+
+
+def test_a_displaced_prompt_loads_back_from_host_memory(one_session):
+    client = client_of(one_session)
+    librarian = "You are a meticulous librarian. " + notes(30, "shelves")
+    first = ask(client, librarian, "Which lamp stays on?")
+    assert cached(first) < 10
+    before = one_session.metrics()
+    other = ask(client, "You answer in one word. " + notes(30, "rivers"), "Name a river.")
+    assert cached(other) < 10  # it shares only the template's first tokens
+    again = ask(client, librarian, "Which lamp stays on?")
+    # Everything but the last prompt token (read to draw the first answer token) loads back.
+    assert cached(again) == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+    after = one_session.metrics()
+    assert after["butter_prompt_cache_saves_total"] - before["butter_prompt_cache_saves_total"] >= 1
+    assert after["butter_prompt_cache_hits_total"] - before["butter_prompt_cache_hits_total"] == 1
+    assert after["butter_prompt_cache_tokens_total"] \
+        - before["butter_prompt_cache_tokens_total"] == cached(again)
+    assert after["butter_prompt_cache_bytes"] > 0 and after["butter_prompt_cache_entries"] >= 1
+    assert one_session.models()[0]["butter"]["prompt_cache_mib"] == 8192
+
+
+def test_a_new_question_on_a_saved_system_prompt_reads_only_the_question(one_session):
+    client = client_of(one_session)
+    guide = "You are a guide to glaciers. " + notes(30, "ice")
+    ask(client, guide, "Name one glacier.")
+    ask(client, "You answer in one word. " + notes(30, "deserts"), "Name a desert.")
+    seeded = {"temperature": 0.9, "seed": 7}
+    follow = ask(client, guide, "How old is the ice?", **seeded)
+    prompt = follow.usage.prompt_tokens
+    assert prompt - 16 <= cached(follow) < prompt  # the system prompt came back; not the rest
+    # Displaced and loaded back once more, the seeded question draws the same answer.
+    ask(client, "You answer in one word. " + notes(30, "forests"), "Name a tree.")
+    again = ask(client, guide, "How old is the ice?", **seeded)
+    assert again.choices[0].message.content == follow.choices[0].message.content
+
+
+def test_without_the_cache_a_displaced_prompt_is_read_again(start_server, one_session):
+    server = start_server("--parallel", "1", "--cache-ram", "0")
+    client = client_of(server)
+    archivist = "You are a patient archivist. " + notes(30, "boxes")
+    first = ask(client, archivist, "Which lamp stays on?")
+    ask(client, "You answer in one word. " + notes(30, "hills"), "Name a hill.")
+    again = ask(client, archivist, "Which lamp stays on?")
+    assert cached(again) < 10
+    metrics = server.metrics()
+    assert metrics["butter_prompt_cache_hits_total"] == 0
+    assert metrics["butter_prompt_cache_bytes"] == 0
+    assert server.models()[0]["butter"]["prompt_cache_mib"] == 0
+    # And the cache changes no answer: the server with it gives this one too.
+    cached_side = ask(client_of(one_session), archivist, "Which lamp stays on?")
+    assert cached_side.choices[0].message.content == first.choices[0].message.content \
+        == again.choices[0].message.content
+
+
+@pytest.mark.parametrize("args", [
+    ("--kv-layout", "shared", "--cache-ram", "64"),
+    ("--kv-window-size", "512", "--cache-ram", "64"),
+])
+def test_a_cache_ram_that_cannot_be_kept_exits_2_naming_it(args):
+    result = subprocess.run([sys.executable, "-m", "butter", "serve", "--model", "smollm2",
+                             *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "--cache-ram" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
