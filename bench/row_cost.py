@@ -53,6 +53,10 @@ token. Speculation on / off can be no better than (prompt + plain) / (prompt + o
 the vocabulary's candidates) against butter's GGUF back end, which reads the first
 highest logit straight off the row (``GGUFSampler``), median of ``--reps`` over every row
 of one real 64-row pass, and checks that both draw the same token on each.
+
+``--tail N`` times a short turn after a cached prefix of ``--long`` tokens: its N rows
+alone in a pass against the same rows filled to 64 (butter's fixed attention path), and
+the save and load of the prefix to and from host memory (``--cache-ram``).
 """
 
 from __future__ import annotations
@@ -320,6 +324,36 @@ def prefill(model, args: argparse.Namespace) -> None:
     ll.llama_free(ctx)
 
 
+def tail(model, args: argparse.Namespace) -> None:
+    """A short turn after a cached prefix (``--long`` tokens): its ``--tail`` rows alone
+    in one pass (llama-server), and filled to 64 rows (butter: every prompt position
+    from 63 on takes the tiled attention path); and what saving the prefix to host
+    memory and loading it back costs (butter's and llama-server's ``--cache-ram``)."""
+    ctx, memory = open_context(model, 1, 8192, args.threads)
+    fill(ctx, memory, args.long, 0, streams=1)
+    rows = [(0, 100 + i % 50, args.long + i, False) for i in range(args.tail)]
+    filler = [(0, 100, args.long + i, False) for i in range(args.tail, max(64, args.tail))]
+    print(f"SmolLM2-135M Q4_1, {args.threads} threads, {args.tail} tokens after "
+          f"{args.long} cached")
+    for label, passes in {"its own rows (llama-server)": [rows],
+                          "filled to 64 rows (butter)": [rows + filler]}.items():
+        print(f"{label:30} {timed(ctx, memory, passes, args.reps):7.1f} ms")
+    size = ll.llama_state_seq_get_size(ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    saves, loads = [], []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        ll.llama_state_seq_get_data(ctx, buf, size, 0)
+        saves.append(time.perf_counter() - start)
+        ll.llama_memory_seq_rm(memory, 0, 0, -1)
+        start = time.perf_counter()
+        ll.llama_state_seq_set_data(ctx, buf, size, 0)
+        loads.append(time.perf_counter() - start)
+    print(f"save {size / 2**20:.1f} MiB {1000 * statistics.median(saves):6.1f} ms, "
+          f"load {1000 * statistics.median(loads):6.1f} ms")
+    ll.llama_free(ctx)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -333,6 +367,8 @@ def main() -> int:
                         help="the split-path reproduction instead (see above)")
     parser.add_argument("--oracle", action="store_true",
                         help="the quote's best case under exact speculation (see above)")
+    parser.add_argument("--tail", type=int, default=0, metavar="N",
+                        help="an N-token turn after --long cached tokens (see above)")
     parser.add_argument("--draw", action="store_true",
                         help="a greedy draw's cost per row, both ways (see above)")
     args = parser.parse_args()
@@ -340,9 +376,9 @@ def main() -> int:
     ll.llama_backend_init()
     # As both servers run here (butter's GGUF back end; llama-server --no-repack on AMX).
     model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params())
-    if args.prefill or args.paths or args.oracle or args.draw:
+    if args.prefill or args.paths or args.oracle or args.draw or args.tail:
         (paths if args.paths else oracle if args.oracle else draws if args.draw
-         else prefill)(model, args)
+         else tail if args.tail else prefill)(model, args)
         ll.llama_model_free(model)
         return 0
     ctx, memory = open_context(model, STREAMS, STREAMS * STREAM_CELLS, args.threads)
