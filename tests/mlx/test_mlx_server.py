@@ -92,3 +92,31 @@ def test_gguf_only_flags_are_refused_for_mlx_before_loading(flag):
                             timeout=120)
     assert result.returncode == 2 and flag[0] in result.stderr
     assert result.stderr.strip().count("\n") == 0
+
+
+def test_a_displaced_prompt_loads_back_from_host_memory_on_mlx(start_server):
+    """Three sessions (one active, two spare): a new prompt takes the session that
+    shares the most with it (the template's first tokens), so two other prompts later the
+    first one's caches are gone from every session, and come back from the prompt cache."""
+    import openai
+    from helpers import notes
+
+    server = start_server("--backend", "mlx", "--parallel", "1")
+    client = openai.OpenAI(base_url=server.base_url, api_key="-", max_retries=0, timeout=180)
+
+    def ask(system: str):
+        return client.chat.completions.create(
+            model="smollm2", max_tokens=16, temperature=0,
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": "Which lamp stays on?"}])
+
+    keeper = "You are a lighthouse keeper. " + notes(20, "lamps")
+    first = ask(keeper)
+    for topic in ("rivers", "hills"):
+        ask(f"You answer in one word about {topic}. " + notes(20, topic))
+    again = ask(keeper)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+    metrics = server.metrics()
+    assert metrics["butter_prompt_cache_hits_total"] >= 1
+    assert server.models()[0]["butter"]["prompt_cache_mib"] == 8192

@@ -42,8 +42,9 @@ class MLXBackend:
         return 5 if apple_silicon() else 20
 
     def session_layout(self, options: Mapping[str, object], parallel: int) -> SessionLayout:
-        """Sessions keep their own mlx-lm caches; the engine keeps two spare ones."""
-        return SessionLayout()
+        """Sessions keep their own mlx-lm caches; the engine keeps two spare ones. A
+        session's caches copy to host memory and back (``--cache-ram``)."""
+        return SessionLayout(prompt_cache=True)
 
     def unavailable(self) -> str | None:
         missing = [name for name in ("mlx", "mlx_lm", "tokenizers") if not _installed(name)]

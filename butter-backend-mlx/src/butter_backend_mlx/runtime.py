@@ -230,9 +230,14 @@ class MLXRuntime:
                         "snapshot_every": self._snapshots.every}
             budget += n_sessions * snapshot["snapshots"] * snapshot["snapshot_bytes"]
             fork, truncate = ForkKind.COPY, TruncateKind.SNAPSHOTS
+        # Saved caches are copies of plain trimmable ones: no window, no recurrent state,
+        # no MTP head (its hidden states are per session and not saved).
+        saves = rewinds and kv.window is None and self._snapshots is None \
+            and self._heads is None
         self.kv = KVFacts(budget_bytes=budget, token_bytes=token_bytes,
                           max_positions=max_positions, fork=fork,
-                          truncate=truncate, window=kv.window, granule=GRANULE, **snapshot)
+                          truncate=truncate, window=kv.window, granule=GRANULE,
+                          saves=saves, **snapshot)
         if kv.window is not None and self.kv.cost(kv.window) > budget:
             raise InvalidRequestError(f"A {kv.window}-token window needs more KV memory than "
                                       f"the {capacity}-token budget holds.")
@@ -485,11 +490,28 @@ class MLXRuntime:
         self._cut(session, keep)
         return True
 
-    def save(self, session: int, length: int) -> None:
-        return None  # kv.saves is false: no prompt cache in host memory yet
+    def save(self, session: int, length: int) -> list | None:
+        """Copies of ``session``'s caches, ``length`` positions (the prompt cache keeps
+        them; a restore copies them again, so no session ever writes into them)."""
+        if not self.kv.saves or session in self._lost or self._lengths[session] != length \
+                or length == 0:
+            return None
+        self._leave_batch(session)
+        caches = self._caches[session]
+        if caches is None:
+            return None
+        copies = [_prefix(cache, length) for cache in caches]
+        mx.eval([c.state for c in copies if not c.empty()])
+        return copies
 
-    def restore(self, session: int, saved: object, length: int) -> bool:
-        return False
+    def restore(self, session: int, saved: list, length: int) -> bool:
+        self._cut(session, 0)
+        self._lost.discard(session)
+        copies = [_prefix(cache, length) for cache in saved]
+        mx.eval([c.state for c in copies if not c.empty()])
+        self._caches[session] = copies
+        self._lengths[session] = length
+        return True
 
     def reachable(self, session: int, keep: int) -> int:
         snapshots = self._snapshots

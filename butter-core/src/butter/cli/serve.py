@@ -166,7 +166,7 @@ def check_flags(args: argparse.Namespace, plugins: Plugins, *, listen: bool = Tr
     if args.cache_ram and (window is not None
                            or not backend.session_layout(options, args.parallel).prompt_cache):
         raise UsageError("--cache-ram", f"the {backend.name} back end keeps no prompt cache "
-                         "in host memory with these settings (GGUF: per-session KV streams, "
+                         "in host memory with these settings (GGUF: per-session KV streams; "
                          "no KV window)")
     return loader, access, kv, {backend.name: options}
 

@@ -364,7 +364,7 @@ class Engine:
             return
         data = self._runtime.save(session.seq_id, len(tokens))
         if data is not None:
-            cache.keep(tokens, data, len(data))
+            cache.keep(tokens, data, self._runtime.kv.cost(len(tokens)))
             self.metrics.prompt_cache_saves += 1
 
     def _load_saved(self, request: Request, session: Session, reuse: int) -> int:
