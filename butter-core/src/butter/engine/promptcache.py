@@ -22,6 +22,9 @@ import attrs
 from butter.engine.admission import common_prefix
 
 DEFAULT_MIB = 8192  # llama-server's --cache-ram default
+# Tokens a load must add to what the session holds: a match of a template's first
+# tokens is not worth a whole entry's copy.
+MIN_GAIN = 16
 MIB = 1 << 20
 
 

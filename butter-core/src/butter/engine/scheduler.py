@@ -38,7 +38,7 @@ from butter.engine.admission import Admission
 from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta
 from butter.engine.metrics import Gauges, Metrics
 from butter.engine.planner import PREFILL_CHUNK, Planner
-from butter.engine.promptcache import DEFAULT_MIB, MIB, PromptCache
+from butter.engine.promptcache import DEFAULT_MIB, MIB, MIN_GAIN, PromptCache
 from butter.engine.records import Phase, Request, Session
 from butter.engine.speculation import Drafter
 from butter.engine.text import StopMatcher
@@ -373,7 +373,7 @@ class Engine:
         cache = self._prompt_cache
         if cache is None:
             return reuse
-        entry, shared = cache.best(request.prompt_tokens, better_than=reuse)
+        entry, shared = cache.best(request.prompt_tokens, better_than=reuse + MIN_GAIN)
         if entry is None:
             return reuse
         seq_id = session.seq_id
@@ -599,6 +599,7 @@ class Engine:
         # One new record, published by one assignment: a scrape on another thread reads
         # either the last iteration's gauges or these, never some of each.
         bytes_of = self._admission.kv.cost if self._admission is not None else lambda n: 0
+        cache = self._prompt_cache
         self.metrics.gauges = Gauges(
             active_requests=len(self._active),
             queued_requests=len(self._waiting),
@@ -608,8 +609,8 @@ class Engine:
             # bytes as the codec stores them, windows capped
             kv_reserved_bytes=sum(bytes_of(r.reservation) for r in self._active),
             kv_used_bytes=sum(bytes_of(len(s.tokens)) for s in self._sessions),
-            prompt_cache_bytes=self._prompt_cache.bytes if self._prompt_cache else 0,
-            prompt_cache_entries=len(self._prompt_cache) if self._prompt_cache else 0)
+            prompt_cache_bytes=cache.bytes if cache is not None else 0,
+            prompt_cache_entries=len(cache) if cache is not None else 0)
 
     def _shutdown(self, error: ButterError) -> None:
         for request in list(self._waiting) + list(self._active):
