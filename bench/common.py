@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -252,6 +253,52 @@ def save_json(path: Path | None, rows: Sequence[Row], details: dict[str, Any]) -
     data = {"rows": [asdict(row) | {"ratio": row.ratio} for row in rows], **details}
     path.write_text(json.dumps(data, indent=2) + "\n")
     console.print(f"[dim]saved {path}[/dim]")
+
+
+def run_rounds(args: argparse.Namespace, measure: Callable[[str, str, int], dict],
+               *, parallel: int, slot_context: int) -> dict[str, list[dict]]:
+    """``args.rounds`` rounds, each starting one server, calling ``measure(root URL,
+    server name, round)`` and stopping it, then the other; the side that goes first
+    alternates, and ``args.same`` runs one server in both columns (the A/A run).
+    Returns each column's figures, a dict a round."""
+    logs = log_dir(args)
+    results: dict[str, list[dict]] = {name: [] for name in SERVERS}
+    for round_index in range(args.rounds):
+        for name in server_order(args, round_index):
+            side = args.same or name
+            plan = ServerPlan(name=side, parallel=parallel, slot_context=slot_context,
+                              threads=args.threads, llama_server=args.llama_server,
+                              butter_args=args.butter_args)
+            with spawned(side, plan.command, logs) as (root, _, _):
+                found = measure(root, side, round_index)
+            results[name].append(found)
+            console.print(f"round {round_index} {name}: " + ", ".join(
+                f"{key} {value:.2f}" for key, value in found.items()))
+    return results
+
+
+def report_rounds(args: argparse.Namespace, results: dict[str, list[dict]],
+                  figures: Sequence[str], title: str, **details: Any) -> None:
+    """Print and save (``--json``) alternating rounds of figures where lower is better:
+    each server's median, and the median of the per-round ratios butter/peer. An A/A
+    run (``args.same``) names its columns A and B."""
+    rows, ratios = [], {}
+    for figure in figures:
+        ratios[figure] = [b[figure] / p[figure]
+                          for b, p in zip(results["butter"], results["peer"])]
+        rows.append(Row(f"{figure} s (median of {args.rounds})",
+                        statistics.median(r[figure] for r in results["butter"]),
+                        statistics.median(r[figure] for r in results["peer"]),
+                        higher_is_better=False))
+    if args.same:
+        print_rows(f"{title}, A/A: {args.same} in both columns", rows, "B", "A")
+    else:
+        print_rows(title, rows)
+    for figure, values in ratios.items():
+        console.print(f"{figure}: per-round ratios " + " ".join(f"{v:.3f}" for v in values)
+                      + f"; median {statistics.median(values):.3f}")
+    save_json(args.json, rows, {"rounds": results, "ratios": ratios, "same": args.same,
+                                "threads": args.threads, **details})
 
 
 def median(values: Sequence[float]) -> float | None:

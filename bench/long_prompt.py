@@ -134,41 +134,15 @@ def main() -> int:
     parser.add_argument("--same", choices=common.SERVERS,
                         help="one server in both columns (the A/A run)")
     args = parser.parse_args()
-    logs = common.log_dir(args)
-    results: dict[str, list[dict]] = {name: [] for name in common.SERVERS}
-    for round_index in range(args.rounds):
-        for name in common.server_order(args, round_index):
-            plan = common.ServerPlan(name=args.same or name, parallel=LANES,
-                                     slot_context=args.slot_context, threads=args.threads,
-                                     llama_server=args.llama_server,
-                                     butter_args=args.butter_args)
-            with common.running_server(plan, logs) as base:
-                found = asyncio.run(workloads(base, args, round_index))
-            results[name].append(found)
-            common.console.print(f"round {round_index} {name}: " + ", ".join(
-                f"{key} {value:.2f}" for key, value in found.items()))
+    results = common.run_rounds(
+        args, lambda root, _side, round_index: asyncio.run(
+            workloads(f"{root}/v1", args, round_index)),
+        parallel=LANES, slot_context=args.slot_context)
     if args.only:
         return 0
-    rows, ratios = [], {}
-    for figure in FIGURES:
-        per_round = [b[figure] / p[figure] for b, p in zip(results["butter"], results["peer"])]
-        ratios[figure] = per_round
-        rows.append(common.Row(f"{figure} s (median of {args.rounds})",
-                               statistics.median(r[figure] for r in results["butter"]),
-                               statistics.median(r[figure] for r in results["peer"]),
-                               higher_is_better=False))
     title = (f"long prompts: one of ~{args.long} tokens, eight of ~{args.lane_tokens} at "
              f"once, one beside a stream; {args.threads} threads")
-    if args.same:
-        common.print_rows(f"{title}, A/A: {args.same} in both columns", rows, "B", "A")
-    else:
-        common.print_rows(title, rows)
-    for figure, values in ratios.items():
-        common.console.print(f"{figure}: per-round ratios "
-                             + " ".join(f"{v:.3f}" for v in values)
-                             + f"; median {statistics.median(values):.3f}")
-    common.save_json(args.json, rows, {"rounds": results, "ratios": ratios,
-                                       "same": args.same, "threads": args.threads})
+    common.report_rounds(args, results, FIGURES, title)
     return 0
 
 

@@ -146,45 +146,21 @@ def main() -> int:
             parser.error("--replot needs --plot FILE")
         chart(args.replot, args.plot)
         return 0
-    logs = common.log_dir(args)
-    results: dict[str, list[dict]] = {name: [] for name in common.SERVERS}
-    for round_index in range(args.rounds):
-        for name in common.server_order(args, round_index):
-            side = args.same or name
-            plan = common.ServerPlan(name=side, parallel=args.parallel,
-                                     slot_context=args.slot_context, threads=args.threads,
-                                     llama_server=args.llama_server,
-                                     butter_args=args.butter_args)
-            with common.spawned(side, plan.command, logs) as (root, _, _):
-                found = asyncio.run(workload(f"{root}/v1", args, round_index))
-                if side == "butter":
-                    found |= common.butter_counters(root, COUNTERS)
-            results[name].append(found)
-            common.console.print(f"round {round_index} {name}: " + ", ".join(
-                f"{key} {value:.2f}" for key, value in found.items()))
+
+    def measure(root: str, side: str, round_index: int) -> dict:
+        found = asyncio.run(workload(f"{root}/v1", args, round_index))
+        if side == "butter":
+            found |= common.butter_counters(root, COUNTERS)
+        return found
+
+    results = common.run_rounds(args, measure, parallel=args.parallel,
+                                slot_context=args.slot_context)
     if args.only:
         return 0
-    rows, ratios = [], {}
-    for figure in FIGURES:
-        per_round = [b[figure] / p[figure] for b, p in zip(results["butter"], results["peer"])]
-        ratios[figure] = per_round
-        rows.append(common.Row(f"{figure} s (median of {args.rounds})",
-                               statistics.median(r[figure] for r in results["butter"]),
-                               statistics.median(r[figure] for r in results["peer"]),
-                               higher_is_better=False))
     title = (f"{args.conversations} conversations of ~{args.tokens} tokens on {args.parallel} "
              f"sessions, {args.lanes} at once, coming back; {args.threads} threads")
-    if args.same:
-        common.print_rows(f"{title}, A/A: {args.same} in both columns", rows, "B", "A")
-    else:
-        common.print_rows(title, rows)
-    for figure, values in ratios.items():
-        common.console.print(f"{figure}: per-round ratios "
-                             + " ".join(f"{v:.3f}" for v in values)
-                             + f"; median {statistics.median(values):.3f}")
-    common.save_json(args.json, rows, {"rounds": results, "ratios": ratios,
-                                       "same": args.same, "threads": args.threads,
-                                       "butter_args": args.butter_args, "turn": args.turn})
+    common.report_rounds(args, results, FIGURES, title, butter_args=args.butter_args,
+                         turn=args.turn)
     return 0
 
 
