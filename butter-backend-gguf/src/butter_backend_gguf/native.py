@@ -678,9 +678,7 @@ class GGUFRuntime:
     def restore(self, session: int, saved: ctypes.Array, length: int) -> bool:
         """Load what :meth:`save` gave (``length`` tokens) into ``session``, emptied first;
         False leaves it empty."""
-        ll.llama_memory_seq_rm(self._memory, session, 0, -1)
-        self._lengths[session] = 0
-        self._lost.discard(session)
+        self.truncate(session, 0)
         if ll.llama_state_seq_set_data(self._ctx, saved, len(saved), session) != len(saved):
             ll.llama_memory_seq_rm(self._memory, session, 0, -1)
             return False

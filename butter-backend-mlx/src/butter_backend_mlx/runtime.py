@@ -500,16 +500,11 @@ class MLXRuntime:
         caches = self._caches[session]
         if caches is None:
             return None
-        copies = [_prefix(cache, length) for cache in caches]
-        mx.eval([c.state for c in copies if not c.empty()])
-        return copies
+        return _copies(caches, length)
 
     def restore(self, session: int, saved: list, length: int) -> bool:
-        self._cut(session, 0)
-        self._lost.discard(session)
-        copies = [_prefix(cache, length) for cache in saved]
-        mx.eval([c.state for c in copies if not c.empty()])
-        self._caches[session] = copies
+        self.truncate(session, 0)
+        self._caches[session] = _copies(saved, length)
         self._lengths[session] = length
         return True
 
@@ -586,6 +581,13 @@ def _merge(caches: list):
     """One batched cache of the sessions' caches of one layer (``BatchKVCache`` for
     mlx-lm's, a many-row ``CodecKVCache`` for a codec's)."""
     return type(caches[0]).merge(caches)
+
+
+def _copies(caches: list, length: int) -> list:
+    """Evaluated copies of a session's caches holding their first ``length`` positions."""
+    copies = [_prefix(cache, length) for cache in caches]
+    mx.eval([c.state for c in copies if not c.empty()])
+    return copies
 
 
 def _prefix(cache, length: int):

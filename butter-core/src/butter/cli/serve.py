@@ -156,15 +156,15 @@ def check_flags(args: argparse.Namespace, plugins: Plugins, *, listen: bool = Tr
                          "in this build")
     trained = checked.facts.context_length
     # A KV stream per session (the GGUF default) gives each --max-context / --parallel.
-    streams = backend.session_layout(options, args.parallel).streams
+    layout = backend.session_layout(options, args.parallel)
+    streams = layout.streams
     if args.max_context is not None and trained and args.max_context > trained * streams:
         each = " per session" if streams > 1 else ""
         raise UsageError("--max-context", f"{args.max_context} gives more{each} than the "
                          f"model's trained context ({trained})")
     if window is not None:
         _check_window(args, window, trained, streams)
-    if args.cache_ram and (window is not None
-                           or not backend.session_layout(options, args.parallel).prompt_cache):
+    if args.cache_ram and (window is not None or not layout.prompt_cache):
         raise UsageError("--cache-ram", f"the {backend.name} back end keeps no prompt cache "
                          "in host memory with these settings (GGUF: per-session KV streams; "
                          "no KV window)")
