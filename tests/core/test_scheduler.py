@@ -97,6 +97,25 @@ def test_a_failed_fork_leaves_the_leased_session_its_own_prefix(engine_for):
     assert len(model.runtime.forks) == 1 and busy.result().reason == "length"
 
 
+def test_a_saved_prompt_that_holds_more_is_loaded_instead_of_a_fork(engine_for):
+    """One copy per admission: a fork's copy may land after a load (llama.cpp copies
+    streams at the next decode), so the longer of the two is made, not both."""
+    model = FakeModel(saves=True)
+    engine = engine_for(model, parallel=2, capacity=256)
+    model.runtime.delay = 0.005
+    stem = [1, 2, 3, 4]
+    asked = stem + list(range(10, 50))
+    assert Client(engine, asked).cached == 0
+    # It takes the session that held ``asked`` (4 tokens shared): that one is saved.
+    busy = Client(engine, stem + list(range(60, 100)), max_tokens=60)
+    while len(model.runtime.steps) < 4:
+        time.sleep(0.001)
+    again = Client(engine, asked, max_tokens=1)
+    assert again.cached == len(asked) - 1
+    assert model.runtime.forks == [] and model.runtime.restores == [(1, len(asked) + 1)]
+    assert busy.result().reason == "length"
+
+
 def test_without_fused_batching_each_session_runs_its_own_pass(engine_for):
     model = FakeModel(fusable=False)
     engine = engine_for(model, parallel=2)

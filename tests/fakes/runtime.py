@@ -106,12 +106,12 @@ class FakeRuntime:
 
     def __init__(self, *, kv: KVSpec, capacity: int, n_sessions: int, max_batch: int,
                  options: dict, fork: ForkKind = ForkKind.ALIAS,
-                 truncate: TruncateKind = TruncateKind.ANYWHERE,
+                 truncate: TruncateKind = TruncateKind.ANYWHERE, saves: bool = False,
                  next_token: int | None = 7,
                  logits: Callable[[Sequence[int]], np.ndarray] | None = None) -> None:
         self.spec = kv
         self.kv = KVFacts(budget_bytes=capacity * 2, token_bytes=2, max_positions=capacity,
-                          fork=fork, truncate=truncate)
+                          fork=fork, truncate=truncate, saves=saves)
         self.n_sessions = n_sessions
         self.max_batch = max_batch
         self.max_draft = 16  # drafts verify exactly here: each draw is the plain one
@@ -123,6 +123,7 @@ class FakeRuntime:
         self._new_cell = itertools.count()
         self.steps: list[list[tuple[int, int]]] = []  # (session, tokens fed) per step
         self.forks: list[tuple[int, int, int]] = []
+        self.restores: list[tuple[int, int]] = []  # session, length
         self.next_token = next_token  # every draw; None: the toy model's ``logits``
         self.logits = logits
         self.fork_works = True
@@ -231,6 +232,7 @@ class FakeRuntime:
         return list(held) if self.kv.saves and len(held) == length else None
 
     def restore(self, session: int, saved: list[int], length: int) -> bool:
+        self.restores.append((session, length))
         self.held[session] = list(saved[:length])
         self._cells[session] = [next(self._new_cell) for _ in range(length)]
         return True
@@ -247,10 +249,10 @@ class FakeModel:
     runtime draws ``next_token`` every time (7: each piece is ``b"x"``)."""
 
     def __init__(self, *, fusable: bool = True, fork: ForkKind = ForkKind.ALIAS,
-                 truncate: TruncateKind = TruncateKind.ANYWHERE) -> None:
+                 truncate: TruncateKind = TruncateKind.ANYWHERE, saves: bool = False) -> None:
         self.info = ModelInfo(architecture="fake", n_ctx_train=256, chat_template=None,
                               bos_token="", eos_token="", add_bos=False, fusable=fusable)
-        self._kinds = {"fork": fork, "truncate": truncate}
+        self._kinds = {"fork": fork, "truncate": truncate, "saves": saves}
         self.runtime: FakeRuntime | None = None
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:

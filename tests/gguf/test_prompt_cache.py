@@ -4,6 +4,8 @@ One session (`--parallel 1`): a second, unrelated prompt takes the session that 
 first, so asking the first again would read its whole prompt. With the cache the session's
 keys and values went to host memory first, and the repeat loads them back: the client sees
 `cached_tokens` cover the prompt and the same answer, greedy or seeded.
+
+Under the server, the runtime: a load beside a fork whose copy llama.cpp has not made yet.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 import pytest
 from helpers import notes
+from support.chunked_read import read_from
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +108,52 @@ def test_a_cache_ram_that_cannot_be_kept_exits_2_naming_it(args):
     assert result.returncode == 2, result.stderr
     assert "--cache-ram" in result.stderr and "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0, result.stderr
+
+
+@pytest.fixture(scope="module")
+def streams():
+    """The real model on two per-session streams, as ``butter serve`` keeps them."""
+    from butter.backend import KVSpec
+    from butter.library import default_plugins
+
+    plugins = default_plugins()
+    model = plugins.backends["gguf"].load(plugins.resolve("smollm2"), threads=2)
+    runtime = model.create_runtime(kv=KVSpec(codec=plugins.kv_codec("raw")), capacity=2048,
+                                   n_sessions=2, max_batch=512,
+                                   options={"kv_layout": "per-session"})
+    yield model, runtime
+    runtime.close()
+    model.close()
+
+
+@pytest.mark.parametrize("into", ["target", "source"])
+def test_a_load_beside_a_fork_not_yet_copied_reads_as_a_fresh_read(streams, into):
+    """A fork between streams copies the bytes at the next decode (llama.cpp's stream
+    copy): a load into the fork's target before then would be overwritten by the copy,
+    one into its source copied into the target. Either way, what each session then
+    draws is what a fresh read of its own prompt draws (the CI run of stop 35 answered a
+    harbour prompt with the quay notes another request was reading)."""
+    from butter.backend import Work
+
+    model, runtime = streams
+    harbour = model.tokenize(notes(20, "the harbour"), add_special=False, parse_special=False)
+    quay = model.tokenize(notes(20, "the quay"), add_special=False, parse_special=False)
+    fresh = {}
+    for name, tokens in (("harbour", harbour), ("quay", quay)):
+        runtime.truncate(0, 0)
+        fresh[name] = read_from(runtime, 0, tokens, [], 0)
+    runtime.truncate(0, 0)
+    runtime.step([Work(0, harbour[:-20], None)])
+    saved = runtime.save(0, len(harbour) - 20)
+    assert saved is not None
+    runtime.truncate(0, 0)
+    runtime.truncate(1, 0)
+    runtime.step([Work(1, quay, None)])
+    forked = len(quay) - 10
+    assert runtime.fork(1, 0, forked)
+    loads, keeps = (0, 1) if into == "target" else (1, 0)
+    loaded = runtime.restore(loads, saved, len(harbour) - 20)
+    start = len(harbour) - 20 if loaded else 0
+    assert read_from(runtime, loads, harbour, [], start) == fresh["harbour"]
+    if keeps == 0:  # the fork's target reads on from what it was given
+        assert read_from(runtime, 0, quay, [], forked) == fresh["quay"]

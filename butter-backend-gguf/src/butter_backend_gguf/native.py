@@ -377,6 +377,11 @@ class GGUFRuntime:
             truncate = TruncateKind.UNTIL_WRAP
         self._snapshots: StateSnapshots | None = None
         self._lost: set[int] = set()  # sessions a failed step left without their state
+        # A fork between streams copies the buffer at the next llama_decode (llama.cpp's
+        # stream copy), cells' metadata at once: until then the target's bytes are not
+        # yet its cells', and bytes written into either stream would be copied or lost.
+        self._copy_sources: set[int] = set()
+        self._copy_targets: set[int] = set()
         snapshot = {}
         if model.recurrent_state:
             token_bytes, snapshot = self._start_snapshots(n_sessions)
@@ -479,6 +484,7 @@ class GGUFRuntime:
             starts.append(start)
             firsts.append(last - len(item.draft))
         rc = ll.llama_decode(self._ctx, builder.batch)
+        self._copied(rc)
         if rc != 0:
             for item, start in zip(items, starts):
                 ll.llama_memory_seq_rm(self._memory, item.session, start, -1)
@@ -540,6 +546,7 @@ class GGUFRuntime:
         outputs = [builder.add(item.session, tokens, self._lengths[item.session], logits)
                    for item, tokens, logits in feeds]
         rc = ll.llama_decode(self._ctx, builder.batch)
+        self._copied(rc)
         if rc != 0:
             for item in items:  # nothing of a failed pass stays in the cache
                 ll.llama_memory_seq_rm(self._memory, item.session,
@@ -641,6 +648,13 @@ class GGUFRuntime:
             ll.llama_memory_seq_rm(self._memory, session, start + len(piece), -1)
             self._lengths[session] = start + len(piece)
 
+    def _copied(self, rc: int) -> None:
+        """A decode that ran did the stream copies forks left pending (an invalid batch
+        returns before them: the sets stay, and only keep save and restore away)."""
+        if rc == 0:
+            self._copy_sources.clear()
+            self._copy_targets.clear()
+
     def new_sampler(self, params: SamplingParams) -> GGUFSampler:
         return GGUFSampler(params, self._n_vocab)
 
@@ -667,7 +681,7 @@ class GGUFRuntime:
         restored into an empty stream, the cells land in position order as a read puts
         them, so a restored prefix gives the answers a fresh read gives."""
         if not self.kv.saves or session in self._lost or self._lengths[session] != length \
-                or length == 0:
+                or length == 0 or session in self._copy_targets:
             return None
         size = int(ll.llama_state_seq_get_size(self._ctx, session))
         buf = (ctypes.c_uint8 * size)()
@@ -677,8 +691,11 @@ class GGUFRuntime:
 
     def restore(self, session: int, saved: ctypes.Array, length: int) -> bool:
         """Load what :meth:`save` gave (``length`` tokens) into ``session``, emptied first;
-        False leaves it empty."""
+        False leaves it empty. Not while a fork's copy into or out of ``session`` waits
+        for the next decode: the copy would overwrite the loaded bytes, or take them."""
         self.truncate(session, 0)
+        if session in self._copy_targets or session in self._copy_sources:
+            return False
         if ll.llama_state_seq_set_data(self._ctx, saved, len(saved), session) != len(saved):
             ll.llama_memory_seq_rm(self._memory, session, 0, -1)
             return False
@@ -700,6 +717,8 @@ class GGUFRuntime:
             # Streams copy whole (llama.cpp copies the buffer at the next decode); the
             # target then drops what it does not share.
             ll.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+            self._copy_sources.add(source)
+            self._copy_targets.add(target)
             ll.llama_memory_seq_rm(self._memory, target, length, -1)
         else:
             # One unified KV: the cells gain the target's sequence id, nothing is copied.
@@ -721,8 +740,12 @@ class GGUFRuntime:
         self._lengths[target] = 0
         # Per-session streams copy whole, a unified cache aliases cells; either way the
         # target's recurrent state is then replaced by a copy of its own.
-        ll.llama_memory_seq_cp(self._memory, source, target, -1, -1) if self.per_session \
-            else ll.llama_memory_seq_cp(self._memory, source, target, 0, length)
+        if self.per_session:
+            ll.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+            self._copy_sources.add(source)
+            self._copy_targets.add(target)
+        else:
+            ll.llama_memory_seq_cp(self._memory, source, target, 0, length)
         done = snapshots.put(target, data, length) and snapshots.share(source, target, length) \
             if whole else snapshots.install(source, target, length)
         if not done:

@@ -38,7 +38,7 @@ from butter.engine.admission import Admission
 from butter.engine.events import Admitted, Failed, Finished, Outbox, TextDelta
 from butter.engine.metrics import Gauges, Metrics
 from butter.engine.planner import PREFILL_CHUNK, Planner
-from butter.engine.promptcache import DEFAULT_MIB, MIB, MIN_GAIN, PromptCache
+from butter.engine.promptcache import DEFAULT_MIB, MIB, MIN_GAIN, PromptCache, Saved
 from butter.engine.records import Phase, Request, Session
 from butter.engine.speculation import Drafter
 from butter.engine.text import StopMatcher
@@ -310,8 +310,7 @@ class Engine:
                 self._runtime.truncate(session.seq_id, 0)
                 reuse = 0
             del session.tokens[reuse:]
-        reuse = self._share_prefix(request, session, reuse)
-        reuse = self._load_saved(request, session, reuse)
+        reuse = self._take_prefix(request, session, reuse)
         request.cached_tokens = reuse
         request.next_prefill = reuse
         request.phase = Phase.PREFILL
@@ -339,22 +338,32 @@ class Engine:
         return any(other.phase is Phase.PREFILL and other.prompt_tokens == request.prompt_tokens
                    for other in self._active)
 
-    def _share_prefix(self, request: Request, session: Session, reuse: int) -> int:
-        """Take a longer cached prefix from another session, busy or idle, if one has it.
+    def _take_prefix(self, request: Request, session: Session, reuse: int) -> int:
+        """Take a longer cached prefix of the prompt than the ``reuse`` tokens ``session``
+        holds: another session's, busy or idle (a fork), or a saved one (a load), whichever
+        holds more; the new reuse.
 
-        Concurrent requests with one system prompt then prefill it once. How much a
-        fork costs is the runtime's business (GGUF aliases cells; MLX copies them);
-        a fork that fails leaves the leased session with what it had.
+        Concurrent requests with one system prompt then prefill it once, and a
+        conversation that lost its session reads only its new turn. How much a fork
+        costs is the runtime's business (GGUF aliases cells; MLX copies them); a load
+        must gain ``MIN_GAIN`` tokens over the better of the other two, and only one of
+        them is made (a fork's copy may land after a load, over it). A fork that fails
+        leaves the leased session with what it had; a load that fails empties it.
         """
-        if self._runtime.kv.fork is ForkKind.NONE:
-            return reuse
-        others = [s for s in self._sessions if s is not session and s.tokens]
-        source, shared = self._admission.best_source(others, request.prompt_tokens,
+        others = [s for s in self._sessions if s is not session and s.tokens] \
+            if self._runtime.kv.fork is not ForkKind.NONE else []
+        source, forked = self._admission.best_source(others, request.prompt_tokens,
                                                      better_than=reuse)
-        if source is None or not self._runtime.fork(source.seq_id, session.seq_id, shared):
+        cache = self._prompt_cache
+        if cache is not None:
+            entry, shared = cache.best(request.prompt_tokens,
+                                       better_than=max(reuse, forked) + MIN_GAIN)
+            if entry is not None:
+                return self._load(session, entry, shared)
+        if source is None or not self._runtime.fork(source.seq_id, session.seq_id, forked):
             return reuse
-        session.tokens[:] = source.tokens[:shared]
-        return shared
+        session.tokens[:] = source.tokens[:forked]
+        return forked
 
     def _save(self, session: Session, *, keep: int) -> None:
         """Copy ``session``'s cache to the prompt cache before it drops all but ``keep``
@@ -367,15 +376,9 @@ class Engine:
             cache.keep(tokens, data, self._runtime.kv.cost(len(tokens)))
             self.metrics.prompt_cache_saves += 1
 
-    def _load_saved(self, request: Request, session: Session, reuse: int) -> int:
-        """Load the saved cache sharing the longest prefix with the prompt into
-        ``session``, if it beats the ``reuse`` tokens the session holds; the new reuse."""
-        cache = self._prompt_cache
-        if cache is None:
-            return reuse
-        entry, shared = cache.best(request.prompt_tokens, better_than=reuse + MIN_GAIN)
-        if entry is None:
-            return reuse
+    def _load(self, session: Session, entry: Saved, shared: int) -> int:
+        """Load a saved cache into ``session``, cut to the ``shared`` tokens the prompt
+        starts with; the new reuse (0 if the runtime could not)."""
         seq_id = session.seq_id
         if not (self._runtime.restore(seq_id, entry.data, len(entry.tokens))
                 and self._runtime.truncate(seq_id, shared)):
