@@ -38,3 +38,22 @@ def test_the_least_recently_used_go_first_and_an_entry_past_the_budget_is_not_ke
     assert cache.best([1, 1, 5], better_than=0)[0].data == "a"
     cache.keep([5, 5], "huge", 31)
     assert cache.bytes == 30 and not cache.covers([5, 5])
+
+
+def test_a_load_is_cut_where_the_runtime_can_cut_it():
+    """Recurrent state comes back only at a snapshot: ``reach`` moves the shared prefix
+    down to one, and an entry that then shares less may lose to another."""
+    cache = PromptCache(budget=100)
+    cache.keep(list(range(40)), "snapshots at 8 and 32", 10)
+    cache.keep(list(range(20)) + [99] * 10, "anywhere", 10)
+    snapshots = {"snapshots at 8 and 32": (8, 32)}
+
+    def reach(data, keep):
+        return max((at for at in snapshots.get(data, (keep,)) if at <= keep), default=0)
+
+    prompt = list(range(30)) + [7]
+    entry, shared = cache.best(prompt, better_than=0, reach=reach)
+    assert (entry.data, shared) == ("anywhere", 20)  # 30 shared with the first, cut to 8
+    entry, shared = cache.best(list(range(36)), better_than=0, reach=reach)
+    assert (entry.data, shared) == ("snapshots at 8 and 32", 32)
+    assert cache.best(prompt, better_than=20, reach=reach) == (None, 0)

@@ -237,6 +237,9 @@ class FakeRuntime:
         self._cells[session] = [next(self._new_cell) for _ in range(length)]
         return True
 
+    def restorable(self, saved: list[int], keep: int) -> int:
+        return min(keep, len(saved))
+
     def describe(self) -> dict[str, object]:
         return {"fake": True}
 

@@ -29,9 +29,9 @@ def one_session():
 
 def ask(client, system: str, question: str, **fields):
     return client.chat.completions.create(
-        model="smollm2", max_tokens=24,
+        max_tokens=24,
         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-        **{"temperature": 0, **fields})
+        **{"model": "smollm2", "temperature": 0, **fields})
 
 
 def cached(completion) -> int:
@@ -157,3 +157,32 @@ def test_a_load_beside_a_fork_not_yet_copied_reads_as_a_fresh_read(streams, into
     assert read_from(runtime, loads, harbour, [], start) == fresh["harbour"]
     if keeps == 0:  # the fork's target reads on from what it was given
         assert read_from(runtime, 0, quay, [], forked) == fresh["quay"]
+
+
+def test_a_hybrid_models_displaced_prompt_loads_back_from_its_snapshots(start_server,
+                                                                        tiny_qwen35_gguf):
+    """Qwen3.5's recurrent state cannot be cut back: a saved cache keeps the session's
+    state snapshots beside its bytes, and a load is cut at the last one inside the shared
+    prefix (the tail snapshot for the same prompt, a multiple of 32 for a new question);
+    the answers are what a fresh read gives (the server without the cache)."""
+    cached_side = start_server("--parallel", "1", model=str(tiny_qwen35_gguf))
+    fresh_side = start_server("--parallel", "1", "--cache-ram", "0",
+                              model=str(tiny_qwen35_gguf))
+    model = cached_side.models()[0]["id"]
+    assert cached_side.models()[0]["butter"]["prompt_cache_mib"] == 8192
+    client, fresh = client_of(cached_side), client_of(fresh_side)
+    guide = "You are a guide to glaciers. " + notes(12, "ice")
+    seeded = {"temperature": 0.9, "seed": 11, "model": model}
+    first = ask(client, guide, "Name one glacier.", **seeded)
+    ask(client, "You answer in one word. " + notes(12, "deserts"), "Name a desert.", **seeded)
+    again = ask(client, guide, "Name one glacier.", **seeded)
+    prompt = again.usage.prompt_tokens
+    assert prompt - 6 <= cached(again) <= prompt - 4  # the tail snapshot's bytes came back
+    assert again.choices[0].message.content == first.choices[0].message.content
+    ask(client, "You answer in one word. " + notes(12, "rivers"), "Name a river.", **seeded)
+    other = ask(client, guide, "How old is the ice?", **seeded)
+    assert cached(other) >= 32 and cached(other) % 32 == 0  # cut at a snapshot
+    assert other.choices[0].message.content \
+        == ask(fresh, guide, "How old is the ice?", **seeded).choices[0].message.content
+    metrics = cached_side.metrics()
+    assert metrics["butter_prompt_cache_hits_total"] == 2

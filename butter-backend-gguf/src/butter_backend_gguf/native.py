@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 
+import attrs
 import llama_cpp as ll
 
 from butter.backend import (
@@ -277,6 +278,16 @@ def _tail_snapshot(end: int, every: int) -> int:
     return max(at, 0)
 
 
+@attrs.frozen
+class SavedState:
+    """A session's cache in host memory: its state's bytes, the tokens they hold and its
+    recurrent-state snapshots, ``(position, bytes)`` (shared: no one writes into them)."""
+
+    data: ctypes.Array
+    length: int
+    snapshots: tuple[tuple[int, ctypes.Array], ...] = ()
+
+
 class GGUFRuntime:
     """One llama.cpp context holding every session's KV, in one of two layouts.
 
@@ -392,8 +403,8 @@ class GGUFRuntime:
                           token_bytes=token_bytes,
                           max_positions=kv.window or per_stream, fork=fork, truncate=truncate,
                           window=kv.window, per_session=self.per_session,
-                          saves=self.per_session and rewinds and kv.window is None
-                          and not model.recurrent_state, **snapshot)
+                          saves=self.per_session and kv.window is None
+                          and (rewinds or model.recurrent_state), **snapshot)
 
     def _start_snapshots(self, n_sessions: int) -> tuple[int, dict[str, int]]:
         """Keep snapshots of the recurrent state. Measured on two tokens fed to session 0
@@ -674,12 +685,13 @@ class GGUFRuntime:
         self._lengths[session] = keep
         return True
 
-    def save(self, session: int, length: int) -> ctypes.Array | None:
-        """``session``'s keys and values, ``length`` tokens, as host bytes
+    def save(self, session: int, length: int) -> SavedState | None:
+        """``session``'s cache, ``length`` tokens, as host bytes
         (``llama_state_seq_get_data``, as llama-server's ``--cache-ram`` keeps a slot's
-        prompt). Only per-session streams of a model that rewinds, without a window:
-        restored into an empty stream, the cells land in position order as a read puts
-        them, so a restored prefix gives the answers a fresh read gives."""
+        prompt), with its recurrent-state snapshots if it keeps any. Only per-session
+        streams, without a window: restored into an empty stream, the cells land in
+        position order as a read puts them, so a restored prefix gives the answers a
+        fresh read gives. Not a stream a fork's copy has yet to reach."""
         if not self.kv.saves or session in self._lost or self._lengths[session] != length \
                 or length == 0 or session in self._copy_targets:
             return None
@@ -687,20 +699,30 @@ class GGUFRuntime:
         buf = (ctypes.c_uint8 * size)()
         if ll.llama_state_seq_get_data(self._ctx, buf, size, session) != size:
             return None
-        return buf
+        snapshots = self._snapshots
+        return SavedState(buf, length, snapshots.held(session) if snapshots else ())
 
-    def restore(self, session: int, saved: ctypes.Array, length: int) -> bool:
-        """Load what :meth:`save` gave (``length`` tokens) into ``session``, emptied first;
-        False leaves it empty. Not while a fork's copy into or out of ``session`` waits
-        for the next decode: the copy would overwrite the loaded bytes, or take them."""
+    def restore(self, session: int, saved: SavedState, length: int) -> bool:
+        """Load what :meth:`save` gave (``length`` tokens) into ``session``, emptied first,
+        its snapshots with it; False leaves it empty. Not while a fork's copy into or out
+        of ``session`` waits for the next decode: the copy would overwrite the loaded
+        bytes, or take them."""
         self.truncate(session, 0)
         if session in self._copy_targets or session in self._copy_sources:
             return False
-        if ll.llama_state_seq_set_data(self._ctx, saved, len(saved), session) != len(saved):
+        data = saved.data
+        if ll.llama_state_seq_set_data(self._ctx, data, len(data), session) != len(data):
             ll.llama_memory_seq_rm(self._memory, session, 0, -1)
             return False
         self._lengths[session] = length
+        if self._snapshots is not None:
+            self._snapshots.adopt(session, saved.snapshots)
         return True
+
+    def restorable(self, saved: SavedState, keep: int) -> int:
+        return self.kv.reachable(saved.length, keep, None if self._snapshots is None else
+                                 lambda at: max((p for p, _ in saved.snapshots if p <= at),
+                                                default=0))
 
     def reachable(self, session: int, keep: int) -> int:
         snapshots = self._snapshots

@@ -104,6 +104,14 @@ class StateSnapshots:
         self.forget(session, after=position)
         return True
 
+    def held(self, session: int) -> tuple[tuple[int, ctypes.Array], ...]:
+        """``session``'s snapshots, ``(position, bytes)`` (to keep beside a saved cache)."""
+        return tuple(self._held[session])
+
+    def adopt(self, session: int, points: tuple[tuple[int, ctypes.Array], ...]) -> None:
+        """Make ``points`` (from :meth:`held`) ``session``'s snapshots."""
+        self._held[session] = list(points)
+
     def forget(self, session: int, *, after: int = 0) -> None:
         """Drop ``session``'s snapshots past ``after`` (all of them by default)."""
         points = self._held[session]

@@ -508,6 +508,9 @@ class MLXRuntime:
         self._lengths[session] = length
         return True
 
+    def restorable(self, saved: list, keep: int) -> int:
+        return keep  # saved only without snapshots: cut anywhere
+
     def reachable(self, session: int, keep: int) -> int:
         snapshots = self._snapshots
         return self.kv.reachable(self._lengths[session], keep, None if snapshots is None

@@ -265,6 +265,11 @@ class Runtime(Protocol):
         """Make ``session`` hold the ``length`` tokens ``saved`` holds; False leaves it
         empty."""
 
+    def restorable(self, saved: object, keep: int) -> int:
+        """The longest prefix of at most ``keep`` tokens a session restored from ``saved``
+        can be cut back to (as :meth:`reachable` for a session: the last state snapshot
+        it kept for recurrent state, else ``keep``)."""
+
     def describe(self) -> dict[str, object]:
         """Back-end facts for the model card (micro-batch rows, threads, ...)."""
 

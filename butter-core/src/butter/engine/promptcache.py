@@ -15,7 +15,7 @@ Only the engine thread touches it.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -69,12 +69,18 @@ class PromptCache:
         while self.bytes > self.budget:
             self._drop(next(iter(self._entries)))
 
-    def best(self, prompt: Sequence[int], better_than: int) -> tuple[Saved | None, int]:
+    def best(self, prompt: Sequence[int], better_than: int,
+             reach: Callable[[object, int], int] = lambda data, keep: keep,
+             ) -> tuple[Saved | None, int]:
         """The entry sharing the longest prefix with ``prompt`` (one prompt token left to
-        read), if that beats ``better_than``; it becomes the most recently used."""
+        read) that a load can be cut back to (``reach(data, shared)``: recurrent state only
+        where a snapshot was kept), if that beats ``better_than``; it becomes the most
+        recently used."""
         best_key, best_shared = None, better_than
         for key, entry in self._entries.items():
             shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+            if shared > best_shared:
+                shared = reach(entry.data, shared)
             if shared > best_shared:
                 best_key, best_shared = key, shared
         if best_key is None:

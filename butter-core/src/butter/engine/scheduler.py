@@ -182,8 +182,8 @@ class Engine:
                 self._prompt_cache = PromptCache(self.config.prompt_cache_bytes)
             elif self.config.prompt_cache_bytes > 0:
                 log.info("no prompt cache in host memory: this model's cache cannot be "
-                         "saved and loaded back (recurrent state, a KV window, a shared "
-                         "KV layout or a back end without one)")
+                         "saved and loaded back (a KV window, a shared KV layout, or "
+                         "recurrent state or a draft head on MLX)")
             self.metrics.sessions_total = len(self._sessions)
             self.metrics.kv_capacity_cells = self._admission.capacity
             self.metrics.kv_budget_bytes = self._runtime.kv.budget_bytes
@@ -357,7 +357,8 @@ class Engine:
         cache = self._prompt_cache
         if cache is not None:
             entry, shared = cache.best(request.prompt_tokens,
-                                       better_than=max(reuse, forked) + MIN_GAIN)
+                                       better_than=max(reuse, forked) + MIN_GAIN,
+                                       reach=self._runtime.restorable)
             if entry is not None:
                 return self._load(session, entry, shared)
         if source is None or not self._runtime.fork(source.seq_id, session.seq_id, forked):
