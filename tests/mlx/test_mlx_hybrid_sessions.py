@@ -56,3 +56,49 @@ def test_a_seed_means_the_same_alone_and_fused(hybrid) -> None:
     assert fused == alone
     # The three requests' decode rows shared passes.
     assert hybrid.metrics()["butter_model_passes_total"] - passes < 12 + 3 * 12
+
+
+def test_a_displaced_hybrid_prompt_loads_back_from_its_snapshots(start_server,
+                                                                 tiny_qwen35_folder) -> None:
+    """One session active, two spare: three other prompts displace the first, whose
+    caches and recurrent-state snapshots go to the prompt cache; the first asked again loads them back from its tail
+    snapshot, a new question on its system prompt from a multiple of 32, and both answer
+    as a fresh read does (a server without the cache)."""
+    import openai
+    from helpers import notes
+
+    cached_side = start_server("--backend", "mlx", "--parallel", "1",
+                               model=str(tiny_qwen35_folder))
+    fresh_side = start_server("--backend", "mlx", "--parallel", "1", "--cache-ram", "0",
+                              model=str(tiny_qwen35_folder))
+    model = cached_side.models()[0]["id"]
+    assert cached_side.models()[0]["butter"]["prompt_cache_mib"] == 8192
+
+    def ask(server, system: str, question: str):
+        client = openai.OpenAI(base_url=server.base_url, api_key="-", max_retries=0,
+                               timeout=180)
+        return client.chat.completions.create(
+            model=model, max_tokens=12, temperature=0.9, seed=11,
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": question}])
+
+    def cached(completion) -> int:
+        return completion.usage.prompt_tokens_details.cached_tokens
+
+    def displace(*topics: str) -> None:
+        for topic in topics:
+            ask(cached_side, f"You answer in one word about {topic}. " + notes(12, topic),
+                "Name one.")
+
+    guide = "You are a guide to glaciers. " + notes(12, "ice")
+    first = ask(cached_side, guide, "Name one glacier.")
+    displace("deserts", "hills", "lakes")
+    again = ask(cached_side, guide, "Name one glacier.")
+    assert again.usage.prompt_tokens - 5 <= cached(again) <= again.usage.prompt_tokens - 4
+    assert again.choices[0].message.content == first.choices[0].message.content
+    displace("rivers", "forests", "islands")
+    other = ask(cached_side, guide, "How old is the ice?")
+    assert cached(other) >= 32 and cached(other) % 32 == 0
+    assert other.choices[0].message.content \
+        == ask(fresh_side, guide, "How old is the ice?").choices[0].message.content
+    assert cached_side.metrics()["butter_prompt_cache_hits_total"] == 2

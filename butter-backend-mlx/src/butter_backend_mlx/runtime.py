@@ -230,9 +230,9 @@ class MLXRuntime:
                         "snapshot_every": self._snapshots.every}
             budget += n_sessions * snapshot["snapshots"] * snapshot["snapshot_bytes"]
             fork, truncate = ForkKind.COPY, TruncateKind.SNAPSHOTS
-        # Saved caches are copies of plain trimmable ones: no window, no recurrent state,
-        # no MTP head (its hidden states are per session and not saved).
-        saves = rewinds and kv.window is None and self._snapshots is None \
+        # Saved caches are copies of trimmable ones or of recurrent state with its
+        # snapshots: no window, no MTP head (its hidden states are per session, not saved).
+        saves = (rewinds or self._snapshots is not None) and kv.window is None \
             and self._heads is None
         self.kv = KVFacts(budget_bytes=budget, token_bytes=token_bytes,
                           max_positions=max_positions, fork=fork,
@@ -490,9 +490,10 @@ class MLXRuntime:
         self._cut(session, keep)
         return True
 
-    def save(self, session: int, length: int) -> list | None:
-        """Copies of ``session``'s caches, ``length`` positions (the prompt cache keeps
-        them; a restore copies them again, so no session ever writes into them)."""
+    def save(self, session: int, length: int) -> SavedCaches | None:
+        """Copies of ``session``'s caches, ``length`` positions, with its recurrent-state
+        snapshots if it keeps any (the prompt cache keeps them; a restore copies them
+        again, so no session ever writes into them)."""
         if not self.kv.saves or session in self._lost or self._lengths[session] != length \
                 or length == 0:
             return None
@@ -500,16 +501,22 @@ class MLXRuntime:
         caches = self._caches[session]
         if caches is None:
             return None
-        return _copies(caches, length)
+        snapshots = self._snapshots
+        return SavedCaches(_copies(caches, length), length,
+                           snapshots.held(session) if snapshots else ())
 
-    def restore(self, session: int, saved: list, length: int) -> bool:
+    def restore(self, session: int, saved: SavedCaches, length: int) -> bool:
         self.truncate(session, 0)
-        self._caches[session] = _copies(saved, length)
+        self._caches[session] = _copies(saved.caches, length)
         self._lengths[session] = length
+        if self._snapshots is not None:
+            self._snapshots.adopt(session, saved.snapshots)
         return True
 
-    def restorable(self, saved: list, keep: int) -> int:
-        return keep  # saved only without snapshots: cut anywhere
+    def restorable(self, saved: SavedCaches, keep: int) -> int:
+        return self.kv.reachable(saved.length, keep, None if self._snapshots is None else
+                                 lambda at: max((p for p, _ in saved.snapshots if p <= at),
+                                                default=0))
 
     def reachable(self, session: int, keep: int) -> int:
         snapshots = self._snapshots
@@ -580,6 +587,16 @@ class MLXRuntime:
         mx.clear_cache()
 
 
+@attrs.frozen
+class SavedCaches:
+    """A session's caches in host memory: copies of them, the tokens they hold and its
+    recurrent-state snapshots, ``(position, state)`` (MLX arrays are values: shared)."""
+
+    caches: list
+    length: int
+    snapshots: tuple = ()
+
+
 def _merge(caches: list):
     """One batched cache of the sessions' caches of one layer (``BatchKVCache`` for
     mlx-lm's, a many-row ``CodecKVCache`` for a codec's)."""
@@ -587,8 +604,10 @@ def _merge(caches: list):
 
 
 def _copies(caches: list, length: int) -> list:
-    """Evaluated copies of a session's caches holding their first ``length`` positions."""
-    copies = [_prefix(cache, length) for cache in caches]
+    """Evaluated copies of a session's caches holding their first ``length`` positions
+    (recurrent layers: their state now, which is the state at ``length`` only when that is
+    all the session holds)."""
+    copies = restored(caches, capture(caches), length, length, _prefix)
     mx.eval([c.state for c in copies if not c.empty()])
     return copies
 

@@ -66,6 +66,14 @@ class Snapshots:
         if source != target:
             self._held[target][:] = [p for p in self._held[source] if p[0] <= position]
 
+    def held(self, session: int) -> tuple[tuple[int, State], ...]:
+        """``session``'s snapshots, ``(position, state)`` (to keep beside a saved cache)."""
+        return tuple(self._held[session])
+
+    def adopt(self, session: int, points: tuple[tuple[int, State], ...]) -> None:
+        """Make ``points`` (from :meth:`held`) ``session``'s snapshots."""
+        self._held[session][:] = list(points)
+
     def forget(self, session: int, *, after: int = 0) -> None:
         self._held[session][:] = [p for p in self._held[session] if p[0] <= after]
 

@@ -183,7 +183,7 @@ class Engine:
             elif self.config.prompt_cache_bytes > 0:
                 log.info("no prompt cache in host memory: this model's cache cannot be "
                          "saved and loaded back (a KV window, a shared KV layout, or "
-                         "recurrent state or a draft head on MLX)")
+                         "an MTP draft head on MLX)")
             self.metrics.sessions_total = len(self._sessions)
             self.metrics.kv_capacity_cells = self._admission.capacity
             self.metrics.kv_budget_bytes = self._runtime.kv.budget_bytes
