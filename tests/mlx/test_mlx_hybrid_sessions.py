@@ -61,9 +61,9 @@ def test_a_seed_means_the_same_alone_and_fused(hybrid) -> None:
 def test_a_displaced_hybrid_prompt_loads_back_from_its_snapshots(start_server,
                                                                  tiny_qwen35_folder) -> None:
     """One session active, two spare: three other prompts displace the first, whose
-    caches and recurrent-state snapshots go to the prompt cache; the first asked again loads them back from its tail
-    snapshot, a new question on its system prompt from a multiple of 32, and both answer
-    as a fresh read does (a server without the cache)."""
+    caches and recurrent-state snapshots go to the prompt cache; the first asked again
+    loads them back from its tail snapshot, a new question on its system prompt from a
+    multiple of 32, and both answer as a fresh read does (a server without the cache)."""
     import openai
     from helpers import notes
 
