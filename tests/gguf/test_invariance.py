@@ -82,3 +82,34 @@ def test_a_prompt_reads_the_same_wherever_its_chunks_are_cut(runtime, cut) -> No
     model, runtime = runtime
     tokens = model.tokenize(LONG, add_special=False, parse_special=False)[:520]
     assert read(runtime, 1, tokens, [cut]) == read(runtime, 0, tokens, [])
+
+
+def converse(runtime, session: int, prompt: list[int], answer: list[int], tail: list[int],
+             cuts: list[int]) -> list:
+    """Read ``prompt``, decode ``answer`` row by row (as an answer is), then read the next
+    turn (``prompt + answer + tail``) from there, its tail cut at ``cuts``."""
+    from butter.backend import SamplingParams, Work
+
+    read(runtime, session, prompt, [], answer=1)
+    sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0))
+    try:
+        for token in answer:
+            runtime.step([Work(session, (token,), sampler)])
+    finally:
+        sampler.close()
+    turn = prompt + answer + tail
+    return read_from(runtime, session, turn, cuts, len(prompt) + len(answer))
+
+
+@pytest.mark.parametrize("tail", [3, 20, 39, 120])
+def test_a_turn_after_an_answer_reads_the_same_wherever_its_tail_is_cut(runtime, tail):
+    """A next turn's tail after a decoded answer goes row by row when it is short (no
+    64-row pass) and as any prompt when not: either way, the same to the last bit
+    wherever the engine cuts it (alone, fused, or cut short by a step's budget)."""
+    model, runtime = runtime
+    tokens = model.tokenize(LONG, add_special=False, parse_special=False)
+    prompt, answer, rest = tokens[:300], tokens[300:310], tokens[400:400 + tail]
+    start = len(prompt) + len(answer)
+    whole = converse(runtime, 0, prompt, answer, rest, [])
+    for cut in sorted({1, 2, tail // 2, tail - 2} - {0}):
+        assert converse(runtime, 1, prompt, answer, rest, [start + cut]) == whole, cut

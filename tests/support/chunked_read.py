@@ -22,7 +22,8 @@ def read_from(runtime, session: int, tokens: list[int], cuts: Sequence[int], sta
         for end in ends:
             last = end == len(tokens)
             (token,) = runtime.step([Work(session, tokens[start:end],
-                                          sampler if last else None)])
+                                          sampler if last else None,
+                                          prompt_left=len(tokens) - end)])
             start = end
         drawn.append(sampler.last)
         while len(drawn) < answer:

@@ -240,6 +240,11 @@ SPLIT_KV_FREE_CELLS = 256
 TILED_MIN_ROWS = FA_ROW_BY_ROW_MAX_ROWS + 1  # ggml-cpu flash attention tiles from 64 rows
 # Prompt positions below this go row by row (at most one pass of them), later ones tiled.
 ROW_BY_ROW_BELOW = FA_ROW_BY_ROW_MAX_ROWS
+# A prompt's tail of fewer rows than this, after positions off the prompt path, goes row
+# by row (no filler). Row by row costs more per row the more cells a row reads: 14 rows
+# after 1,082 cells took 92 ms against 323 ms filled to 64 (6.6 and 5.0 ms a row), even
+# at about 49 rows (bench/row_cost.py --tail N --long P).
+LOOSE_TAIL_ROWS = 40
 # Drafted tokens one verify feeds at most: with the last token, under the 64 rows from
 # which flash attention tiles (the drafter's cost rule keeps most drafts far shorter).
 MAX_DRAFT = FA_ROW_BY_ROW_MAX_ROWS - 1
@@ -286,6 +291,7 @@ class SavedState:
     data: ctypes.Array
     length: int
     snapshots: tuple[tuple[int, ctypes.Array], ...] = ()
+    loose: bytes = b""  # the runtime's loose marks of its positions (``_loose_tail``)
 
 
 class GGUFRuntime:
@@ -379,6 +385,12 @@ class GGUFRuntime:
         total = int(ll.llama_n_ctx(ctx))
         per_stream = int(ll.llama_n_ctx_seq(ctx)) if self.per_session else total
         self._stream_cells = per_stream
+        # Per session, the positions not read on the prompt path (decode rows, drafts, a
+        # short tail read row by row after them): 1 at each. See ``_loose_tail``.
+        self._loose: list[bytearray] | None = \
+            [bytearray(per_stream) for _ in range(n_sessions)] \
+            if self.per_session and kv.window is None and not self._one_path \
+            and not model.recurrent_state else None
         token_bytes = model.kv_token_bytes(types)
         rewinds = model.info.can_rewind
         fork = ForkKind.NONE if not rewinds else \
@@ -465,6 +477,8 @@ class GGUFRuntime:
                 feeds = [(item, item.tokens[-1:], True) for item in tails]
                 for i, token in zip(rows, self._decode(tails, feeds)):
                     results[i] = token
+                for item in tails:
+                    self._mark(item.session, self._lengths[item.session] - 1, 1, loose=True)
         except StepFailedError:
             for session, length in before.items():  # the step as a whole did not happen
                 if not self.truncate(session, length):
@@ -509,6 +523,7 @@ class GGUFRuntime:
                 if offset == len(draft) or draws[-1] != draft[offset]:
                     break
             self.truncate(item.session, start + len(draws))
+            self._mark(item.session, start, len(draws), loose=True)
             results.append(tuple(draws))
         return results
 
@@ -611,11 +626,37 @@ class GGUFRuntime:
             self._decode([item], [(item, body, False)])
             return
         start = self._lengths[item.session]
+        if self._loose_tail(item, start, len(body)):
+            self._padded(item, body, 2)  # never one row alone: that row splits its keys
+            self._mark(item.session, start, len(body), loose=True)
+            return
         rows = max(0, min(len(body), ROW_BY_ROW_BELOW - start))
         if rows:
             self._decode([item], [(item, body[:rows], False)])
         if rows < len(body):
-            self._tiled(item, body[rows:])
+            self._padded(item, body[rows:], TILED_MIN_ROWS)
+        self._mark(item.session, start, len(body), loose=False)
+
+    def _loose_tail(self, item: Work, start: int, rows: int) -> bool:
+        """Whether these ``rows`` of a prompt go row by row, whatever their positions:
+        the position before them was not read on the prompt path (a decode row: a
+        conversation's answer, resent in its next turn) and fewer than
+        ``LOOSE_TAIL_ROWS`` rows of the prompt are left to read before its last token.
+
+        Such a prompt is not read as a fresh read of it would be anyway (its cached
+        answer was decoded, not read), so its tail takes the cheaper path instead of a
+        64-row pass, and is marked loose. The choice depends only on the cache before
+        the tail and on the prompt's length, never on how the tail is cut into chunks:
+        the same request reads the same alone or fused (SPEC 5), and asked again it reads
+        only its last token, as a row, as it did."""
+        loose = self._loose
+        left = rows + max(item.prompt_left - 1, 0)
+        return loose is not None and start > 0 and left < LOOSE_TAIL_ROWS \
+            and bool(loose[item.session][start - 1])
+
+    def _mark(self, session: int, start: int, count: int, *, loose: bool) -> None:
+        if self._loose is not None and count > 0:
+            self._loose[session][start:start + count] = (b"\x01" if loose else b"\x00") * count
 
     def _read_recurrent(self, item: Work, tokens: Sequence[int], *,
                         sample: bool = False) -> int | None:
@@ -648,10 +689,12 @@ class GGUFRuntime:
                 snapshots.take(session, reached)
         return token
 
-    def _tiled(self, item: Work, piece: Sequence[int]) -> None:
+    def _padded(self, item: Work, piece: Sequence[int], rows: int) -> None:
+        """Feed ``piece`` in a pass of at least ``rows`` rows: filler rows after it (later
+        positions, hidden from it by causal attention) whose cells go at once."""
         session = item.session
         start = self._lengths[session]
-        filler = max(0, TILED_MIN_ROWS - len(piece))
+        filler = max(0, rows - len(piece))
         if start + len(piece) + filler > self._stream_cells:
             filler = 0
         self._decode([item], [(item, list(piece) + [piece[-1]] * filler, False)])
@@ -700,7 +743,8 @@ class GGUFRuntime:
         if ll.llama_state_seq_get_data(self._ctx, buf, size, session) != size:
             return None
         snapshots = self._snapshots
-        return SavedState(buf, length, snapshots.held(session) if snapshots else ())
+        loose = bytes(self._loose[session][:length]) if self._loose is not None else b""
+        return SavedState(buf, length, snapshots.held(session) if snapshots else (), loose)
 
     def restore(self, session: int, saved: SavedState, length: int) -> bool:
         """Load what :meth:`save` gave (``length`` tokens) into ``session``, emptied first,
@@ -717,6 +761,8 @@ class GGUFRuntime:
         self._lengths[session] = length
         if self._snapshots is not None:
             self._snapshots.adopt(session, saved.snapshots)
+        if self._loose is not None:
+            self._loose[session][:length] = saved.loose
         return True
 
     def restorable(self, saved: SavedState, keep: int) -> int:
@@ -735,6 +781,8 @@ class GGUFRuntime:
         if self._snapshots is not None:
             return self._fork_state(source, target, length)
         ll.llama_memory_seq_rm(self._memory, target, 0, -1)
+        if self._loose is not None:
+            self._loose[target][:length] = self._loose[source][:length]
         if self.per_session:
             # Streams copy whole (llama.cpp copies the buffer at the next decode); the
             # target then drops what it does not share.

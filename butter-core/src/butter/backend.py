@@ -196,6 +196,9 @@ class Work:
     # positions from the cache. Only with a sampler and no mask, on a runtime with
     # ``max_draft`` at least ``len(draft)``.
     draft: tuple[int, ...] = ()
+    # Prompt tokens after this chunk's (a back end may read a prompt's tail otherwise
+    # when it knows how much of it is left, whatever the chunks).
+    prompt_left: int = 0
 
 
 class StepFailedError(RuntimeError):
