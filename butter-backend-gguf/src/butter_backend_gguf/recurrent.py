@@ -22,6 +22,8 @@ import logging
 
 import llama_cpp as ll
 
+from butter.backend import snapshot_at_or_below
+
 log = logging.getLogger("butter.gguf")
 
 PARTIAL = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
@@ -65,11 +67,7 @@ class StateSnapshots:
 
     def last_at_or_below(self, session: int, position: int) -> int:
         """The latest snapshot position not past ``position`` (0: none)."""
-        best = 0
-        for at, _ in self._held[session]:
-            if at <= position:
-                best = at
-        return best
+        return snapshot_at_or_below(self._held[session], position)
 
     def restore(self, session: int, position: int) -> bool:
         """Put ``session``'s state back to its snapshot at ``position`` and drop its

@@ -30,6 +30,7 @@ from butter.backend import (
     StepFailedError,
     TruncateKind,
     Work,
+    snapshot_at_or_below,
 )
 from butter.errors import InvalidRequestError
 from butter.kvcodec import RAW, KVCodec
@@ -515,8 +516,7 @@ class MLXRuntime:
 
     def restorable(self, saved: SavedCaches, keep: int) -> int:
         return self.kv.reachable(saved.length, keep, None if self._snapshots is None else
-                                 lambda at: max((p for p, _ in saved.snapshots if p <= at),
-                                                default=0))
+                                 lambda at: snapshot_at_or_below(saved.snapshots, at))
 
     def reachable(self, session: int, keep: int) -> int:
         snapshots = self._snapshots

@@ -15,6 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from butter.backend import snapshot_at_or_below
+
 SNAPSHOT_EVERY = 32
 MAX_SNAPSHOTS = 8
 TAIL_SNAPSHOT = 4  # a snapshot this many tokens before a prompt's end (llama-server's 4)
@@ -57,7 +59,7 @@ class Snapshots:
             del points[gaps.index(min(gaps))]
 
     def last_at_or_below(self, session: int, position: int) -> int:
-        return max((at for at, _ in self._held[session] if at <= position), default=0)
+        return snapshot_at_or_below(self._held[session], position)
 
     def get(self, session: int, position: int) -> State | None:
         return next((state for at, state in self._held[session] if at == position), None)

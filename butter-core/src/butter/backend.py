@@ -11,7 +11,7 @@ runs model passes and little else), so it may only read the vocabulary.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -391,6 +391,12 @@ class Backend(Protocol):
     def load(self, resolved: ResolvedModel, *, threads: int | None = None) -> LoadedModel:
         """Load a checkpoint ``precheck`` passed; raise ``ModelLoadError`` with the loader's
         reason (no paths, no sizes) on failure."""
+
+
+def snapshot_at_or_below(points: Iterable[tuple[int, object]], position: int) -> int:
+    """The latest position not past ``position`` among a session's (or a saved cache's)
+    state snapshots, ``(position, state)`` pairs (0: none)."""
+    return max((at for at, _ in points if at <= position), default=0)
 
 
 def check_options(backend: Backend, options: Mapping[str, object]) -> dict[str, object]:
