@@ -57,6 +57,13 @@ of one real 64-row pass, and checks that both draw the same token on each.
 ``--tail N`` times a short turn after a cached prefix of ``--long`` tokens: its N rows
 alone in a pass against the same rows filled to 64 (butter's fixed attention path), and
 the save and load of the prefix to and from host memory (``--cache-ram``).
+
+``--twins N`` is the minimal reproduction of how finely one start of a server can be
+told from another on this machine: two identical contexts (as llama-server ``-np 8``
+opens one), opened one after the other in one process, read the same N-token prompt in
+512-row passes, in turn, ``--reps`` times (the first of each pair alternates). It prints
+the median and quartiles of the per-pair ratio second / first. The same passes on the
+same weights differ only in where the contexts' buffers landed.
 """
 
 from __future__ import annotations
@@ -354,6 +361,23 @@ def tail(model, args: argparse.Namespace) -> None:
     ll.llama_free(ctx)
 
 
+def twins(model, args: argparse.Namespace) -> None:
+    contexts = [open_context(model, STREAMS, STREAMS * 4608, args.threads) for _ in range(2)]
+    passes = pieces(args.twins, 512, 512)
+    ratios = []
+    for rep in range(args.reps):
+        order = (0, 1) if rep % 2 == 0 else (1, 0)
+        ms = {i: timed(*contexts[i], passes, 1) for i in order}
+        ratios.append(ms[1] / ms[0])
+        print(f"pair {rep + 1:2d}: first {ms[0] / 1000:6.2f} s, second {ms[1] / 1000:6.2f} s, "
+              f"second / first {ratios[-1]:.3f}", flush=True)
+    low, median, high = statistics.quantiles(ratios, n=4)
+    print(f"SmolLM2-135M Q4_1, {args.threads} threads, one {args.twins}-token prompt in "
+          f"512-row passes: second / first {median:.3f} (quartiles {low:.3f} to {high:.3f})")
+    for ctx, _ in contexts:
+        ll.llama_free(ctx)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -369,6 +393,8 @@ def main() -> int:
                         help="the quote's best case under exact speculation (see above)")
     parser.add_argument("--tail", type=int, default=0, metavar="N",
                         help="an N-token turn after --long cached tokens (see above)")
+    parser.add_argument("--twins", type=int, default=0, metavar="N",
+                        help="an N-token prompt in two identical contexts (see above)")
     parser.add_argument("--draw", action="store_true",
                         help="a greedy draw's cost per row, both ways (see above)")
     args = parser.parse_args()
@@ -376,9 +402,9 @@ def main() -> int:
     ll.llama_backend_init()
     # As both servers run here (butter's GGUF back end; llama-server --no-repack on AMX).
     model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params())
-    if args.prefill or args.paths or args.oracle or args.draw or args.tail:
+    if args.prefill or args.paths or args.oracle or args.draw or args.tail or args.twins:
         (paths if args.paths else oracle if args.oracle else draws if args.draw
-         else tail if args.tail else prefill)(model, args)
+         else tail if args.tail else twins if args.twins else prefill)(model, args)
         ll.llama_model_free(model)
         return 0
     ctx, memory = open_context(model, STREAMS, STREAMS * STREAM_CELLS, args.threads)
