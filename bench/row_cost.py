@@ -83,6 +83,7 @@ from butter_backend_gguf.native import MAX_DRAFT, SPLIT_KV_FREE_CELLS, model_par
 STREAMS = 8
 FILLED = 100  # tokens already in every stream
 STREAM_CELLS = 2048
+SLOT_CELLS = 4608  # bench/long_prompt.py's --slot-context: a long-prompt server's stream
 ANSWER_TOKENS = 160  # bench/speculation.py's --max-tokens
 # SmolLM2's template adds this system message when a request has none (as butter renders it).
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -362,7 +363,8 @@ def tail(model, args: argparse.Namespace) -> None:
 
 
 def twins(model, args: argparse.Namespace) -> None:
-    contexts = [open_context(model, STREAMS, STREAMS * 4608, args.threads) for _ in range(2)]
+    contexts = [open_context(model, STREAMS, STREAMS * SLOT_CELLS, args.threads)
+                for _ in range(2)]
     passes = pieces(args.twins, 512, 512)
     ratios = []
     for rep in range(args.reps):
@@ -402,9 +404,12 @@ def main() -> int:
     ll.llama_backend_init()
     # As both servers run here (butter's GGUF back end; llama-server --no-repack on AMX).
     model = ll.llama_model_load_from_file(str(shipped_model_path()).encode(), model_params())
-    if args.prefill or args.paths or args.oracle or args.draw or args.tail or args.twins:
-        (paths if args.paths else oracle if args.oracle else draws if args.draw
-         else tail if args.tail else twins if args.twins else prefill)(model, args)
+    # The first mode asked for runs instead of the default sweep.
+    modes = ((args.paths, paths), (args.oracle, oracle), (args.draw, draws),
+             (args.tail, tail), (args.twins, twins), (args.prefill, prefill))
+    mode = next((run for asked, run in modes if asked), None)
+    if mode is not None:
+        mode(model, args)
         ll.llama_model_free(model)
         return 0
     ctx, memory = open_context(model, STREAMS, STREAMS * STREAM_CELLS, args.threads)
