@@ -13,10 +13,11 @@ KV = KVFacts(budget_bytes=10_000, token_bytes=2, max_positions=1000, fork=ForkKi
              snapshot_every=32)
 
 
-def snapshots_at(*positions: int):
-    """A runtime's ``reachable`` for sessions holding snapshots at ``positions``."""
-    def reachable(seq_id: int, keep: int) -> int:
-        return max((p for p in positions if p <= keep), default=0)
+def snapshots_at(*positions: int, length: int = 120):
+    """A runtime's ``reachable`` for sessions holding ``length`` tokens and snapshots at
+    ``positions`` (the whole state is there too)."""
+    def reachable(seq_id: int, keep: int, tail=None) -> int:
+        return max((p for p in (*positions, length) if p <= keep), default=0)
     return reachable
 
 
@@ -34,7 +35,7 @@ def test_a_session_is_reused_back_to_its_last_snapshot_inside_the_prefix() -> No
 
 
 def test_a_fork_source_gives_only_what_a_snapshot_holds() -> None:
-    admission = Admission(KV, parallel=2, reachable=snapshots_at(32))
+    admission = Admission(KV, parallel=2, reachable=snapshots_at(32, length=50))
     busy = Session(seq_id=1, tokens=list(range(50)))
     source, shared = admission.best_source([busy], list(range(45)) + [7], better_than=0)
     assert source is busy and shared == 32

@@ -211,7 +211,7 @@ class FakeRuntime:
         del self._cells[session][keep:]
         return True
 
-    def reachable(self, session: int, keep: int) -> int:
+    def reachable(self, session: int, keep: int, tail=None) -> int:
         length = len(self.held[session])
         return min(keep, length) if self.kv.can_truncate(length, keep) else 0
 
@@ -237,7 +237,7 @@ class FakeRuntime:
         self._cells[session] = [next(self._new_cell) for _ in range(length)]
         return True
 
-    def restorable(self, saved: list[int], keep: int) -> int:
+    def restorable(self, saved: list[int], keep: int, tail=None) -> int:
         return min(keep, len(saved))
 
     def describe(self) -> dict[str, object]:

@@ -113,3 +113,51 @@ def test_a_turn_after_an_answer_reads_the_same_wherever_its_tail_is_cut(runtime,
     whole = converse(runtime, 0, prompt, answer, rest, [])
     for cut in sorted({1, 2, tail // 2, tail - 2} - {0}):
         assert converse(runtime, 1, prompt, answer, rest, [start + cut]) == whole, cut
+
+
+def ask_under(runtime, session: int, system: list[int], question: list[int],
+              cached: list[int] | None = None, cuts: tuple[int, ...] = ()) -> tuple[int, list]:
+    """Read ``system + question`` (its final message ``question``) into ``session``,
+    first taking what ``session`` holds of it (``cached``: the tokens it holds) as far as
+    the runtime keeps it for this prompt; the prefix kept and every draw's logprobs."""
+    from butter.backend import PromptTail
+    from butter.engine.admission import common_prefix
+
+    tokens = system + question
+    tail = PromptTail(len(system), len(tokens))
+    keep = 0
+    if cached is not None:
+        keep = runtime.reachable(session, min(common_prefix(cached, tokens), len(tokens) - 1),
+                                 tail)
+    assert runtime.truncate(session, keep)
+    return keep, read_from(runtime, session, tokens, cuts, keep, tail=tail)
+
+
+def test_a_new_question_on_a_cached_system_prompt_reads_as_a_cold_read(runtime) -> None:
+    """A short final message goes row by row in every read (no 64-row pass with filler),
+    so a new question after a system prompt another request read costs only its own rows
+    and computes, to the last bit, what a cold read of the same prompt computes: whether
+    the prefix came from a question read that way, or from a long question read on the
+    prompt path (then the runtime keeps only the system prompt)."""
+    from butter.engine.admission import common_prefix
+
+    model, runtime = runtime
+    tokens = model.tokenize(LONG, add_special=False, parse_special=False)
+    system, header = tokens[:300], tokens[300:303]
+    short, other = header + tokens[400:412], header + tokens[420:437]
+    long = header + tokens[450:520]  # 73 rows: read on the prompt path
+    _, cold = ask_under(runtime, 0, system, short)
+    for before in (other, long):
+        ask_under(runtime, 1, system, before)
+        kept, warm = ask_under(runtime, 1, system, short, system + before)
+        assert warm == cold, len(before)
+        shared = common_prefix(before, short)
+        quantized = runtime.cache_types.quantized  # one path: every prefix is kept
+        assert kept == len(system) + (shared if before is other or quantized else 0)
+    # A long question after a short one keeps the system prompt only, and reads as cold.
+    _, long_cold = ask_under(runtime, 0, system, long)
+    kept, long_warm = ask_under(runtime, 1, system, long, system + short)
+    assert long_warm == long_cold
+    # The short question read in chunks cut anywhere in it reads the same.
+    for cut in (302, 305, 310):
+        assert ask_under(runtime, 1, system, short, cuts=(cut,))[1] == cold, cut

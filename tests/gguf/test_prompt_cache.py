@@ -65,6 +65,43 @@ def test_a_displaced_prompt_loads_back_from_host_memory(one_session):
     assert one_session.models()[0]["butter"]["prompt_cache_mib"] == 8192
 
 
+@pytest.fixture(scope="module")
+def one_uncached_session():
+    from conftest import ServerProcess
+
+    process = ServerProcess("--parallel", "1", "--cache-ram", "0")
+    yield process
+    process.stop()
+
+
+@pytest.mark.parametrize("fields", [{}, {"temperature": 0.9, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_a_new_question_answers_as_it_would_on_a_fresh_read(one_uncached_session, fields):
+    """A short question after a system prompt that another request read (there with a
+    long question, whose first tokens it shares) reads only itself, and answers what it
+    answered read whole (SPEC 5), to the last bit of every log-probability: the runtime
+    keeps only the system prompt, not the question's opening read the long question's
+    way."""
+    client = client_of(one_uncached_session)
+    fields = {**fields, "logprobs": True, "top_logprobs": 3}
+    seed = fields.get("seed", 0)
+    keeper = f"You keep a lighthouse ({seed}). " + notes(30, "lamps")
+    question = "Which lamp is brightest?"
+    fresh = ask(client, keeper, question, **fields)
+    assert cached(fresh) < 10
+    ask(client, "You answer in one word. " + notes(30, f"rivers {seed}"), "Name a river.")
+    long = ask(client, keeper, "Which of the notes about the lamps mentions the lens, the "
+               "wick, the oil, the glass, the clockwork, the shutters, the stairs or the "
+               "gallery rail, and how many times each? Answer in a table, one row a word, "
+               "with the count in the second column.")  # over 40 tokens
+    assert cached(long) < 10
+    again = ask(client, keeper, question, **fields)
+    prompt = again.usage.prompt_tokens
+    assert prompt - 16 <= cached(again) < prompt - 1  # the system prompt, not the question
+    assert again.choices[0].message.content == fresh.choices[0].message.content
+    assert again.choices[0].logprobs == fresh.choices[0].logprobs
+
+
 def test_a_new_question_on_a_saved_system_prompt_reads_only_the_question(one_session):
     client = client_of(one_session)
     guide = "You are a guide to glaciers. " + notes(30, "ice")

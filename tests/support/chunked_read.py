@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from butter.backend import SamplingParams, Work
+from butter.backend import PromptTail, SamplingParams, Work
 
 
 def read_from(runtime, session: int, tokens: list[int], cuts: Sequence[int], start: int,
-              answer: int = 4) -> list:
+              answer: int = 4, tail: PromptTail | None = None) -> list:
     """Feed ``tokens[start:]`` into ``session`` in chunks ending at ``cuts`` and multiples
-    of 256 (as the engine cuts them), draw ``answer`` greedy tokens; return every draw's
-    log-probabilities."""
+    of 256 (as the engine cuts them), ``tail`` its final message, draw ``answer`` greedy
+    tokens; return every draw's log-probabilities."""
     sampler = runtime.new_sampler(SamplingParams(temperature=0.0, top_p=1.0, seed=0,
                                                  logprobs=5))
     try:
@@ -23,7 +23,7 @@ def read_from(runtime, session: int, tokens: list[int], cuts: Sequence[int], sta
             last = end == len(tokens)
             (token,) = runtime.step([Work(session, tokens[start:end],
                                           sampler if last else None,
-                                          prompt_left=len(tokens) - end)])
+                                          prompt_left=len(tokens) - end, tail=tail)])
             start = end
         drawn.append(sampler.last)
         while len(drawn) < answer:

@@ -21,6 +21,7 @@ from butter.backend import (
     KVFacts,
     KVSpec,
     ModelInfo,
+    PromptTail,
     SamplingParams,
     StepFailedError,
     TruncateKind,
@@ -246,6 +247,11 @@ ROW_BY_ROW_BELOW = FA_ROW_BY_ROW_MAX_ROWS
 # after 1,082 cells took 92 ms against 323 ms filled to 64 (6.6 and 5.0 ms a row), even
 # at about 49 rows (bench/row_cost.py --tail N --long P).
 LOOSE_TAIL_ROWS = 40
+# How each position of a session was read (the runtime's marks, ``_mark``): on the prompt
+# path its absolute position names (``_prefill``); loose (decode rows, accepted drafts, a
+# prompt's last token, a short tail after them: ``_loose_tail``); or in a chat prompt's
+# short final message, row by row (``_row_tail``).
+PROMPT, LOOSE, TAIL = 0, 1, 2
 # Drafted tokens one verify feeds at most: with the last token, under the 64 rows from
 # which flash attention tiles (the drafter's cost rule keeps most drafts far shorter).
 MAX_DRAFT = FA_ROW_BY_ROW_MAX_ROWS - 1
@@ -292,7 +298,7 @@ class SavedState:
     data: ctypes.Array
     length: int
     snapshots: tuple[tuple[int, ctypes.Array], ...] = ()
-    loose: bytes = b""  # the runtime's loose marks of its positions (``_loose_tail``)
+    marks: bytes = b""  # how the runtime read each of its positions (``PROMPT``...)
 
 
 class GGUFRuntime:
@@ -386,9 +392,8 @@ class GGUFRuntime:
         total = int(ll.llama_n_ctx(ctx))
         per_stream = int(ll.llama_n_ctx_seq(ctx)) if self.per_session else total
         self._stream_cells = per_stream
-        # Per session, the positions not read on the prompt path (decode rows, drafts, a
-        # short tail read row by row after them): 1 at each. See ``_loose_tail``.
-        self._loose: list[bytearray] | None = \
+        # Per session, how each position was read (``PROMPT``, ``LOOSE``, ``TAIL``).
+        self._marks: list[bytearray] | None = \
             [bytearray(per_stream) for _ in range(n_sessions)] \
             if self.per_session and kv.window is None and not self._one_path \
             and not model.recurrent_state else None
@@ -479,7 +484,7 @@ class GGUFRuntime:
                 for i, token in zip(rows, self._decode(tails, feeds)):
                     results[i] = token
                 for item in tails:
-                    self._mark(item.session, self._lengths[item.session] - 1, 1, loose=True)
+                    self._mark(item.session, self._lengths[item.session] - 1, 1, LOOSE)
         except StepFailedError:
             for session, length in before.items():  # the step as a whole did not happen
                 if not self.truncate(session, length):
@@ -524,7 +529,7 @@ class GGUFRuntime:
                 if offset == len(draft) or draws[-1] != draft[offset]:
                     break
             self.truncate(item.session, start + len(draws))
-            self._mark(item.session, start, len(draws), loose=True)
+            self._mark(item.session, start, len(draws), LOOSE)
             results.append(tuple(draws))
         return results
 
@@ -629,14 +634,20 @@ class GGUFRuntime:
         start = self._lengths[item.session]
         if self._loose_tail(item, start, len(body)):
             self._padded(item, body, 2)  # never one row alone: that row splits its keys
-            self._mark(item.session, start, len(body), loose=True)
+            self._mark(item.session, start, len(body), LOOSE)
             return
-        rows = max(0, min(len(body), ROW_BY_ROW_BELOW - start))
+        row_tail = self._row_tail(item.tail)
+        split = len(body) if row_tail is None else max(0, min(len(body), row_tail - start))
+        head, rest = body[:split], body[split:]
+        rows = max(0, min(len(head), ROW_BY_ROW_BELOW - start))
         if rows:
-            self._decode([item], [(item, body[:rows], False)])
-        if rows < len(body):
-            self._padded(item, body[rows:], TILED_MIN_ROWS)
-        self._mark(item.session, start, len(body), loose=False)
+            self._decode([item], [(item, head[:rows], False)])
+        if rows < len(head):
+            self._padded(item, head[rows:], TILED_MIN_ROWS)
+        self._mark(item.session, start, len(head), PROMPT)
+        if rest:
+            self._padded(item, rest, 2)
+            self._mark(item.session, start + split, len(rest), TAIL)
 
     def _loose_tail(self, item: Work, start: int, rows: int) -> bool:
         """Whether these ``rows`` of a prompt go row by row, whatever their positions:
@@ -650,14 +661,47 @@ class GGUFRuntime:
         the tail and on the prompt's length, never on how the tail is cut into chunks:
         the same request reads the same alone or fused (SPEC 5), and asked again it reads
         only its last token, as a row, as it did."""
-        loose = self._loose
+        marks = self._marks
         left = rows + max(item.prompt_left - 1, 0)
-        return loose is not None and start > 0 and left < LOOSE_TAIL_ROWS \
-            and bool(loose[item.session][start - 1])
+        return marks is not None and start > 0 and left < LOOSE_TAIL_ROWS \
+            and marks[item.session][start - 1] == LOOSE
 
-    def _mark(self, session: int, start: int, count: int, *, loose: bool) -> None:
-        if self._loose is not None and count > 0:
-            self._loose[session][start:start + count] = (b"\x01" if loose else b"\x00") * count
+    def _row_tail(self, tail: PromptTail | None) -> int | None:
+        """The first position of a chat prompt's final message read row by row (no
+        filler), or None: from its start (or ``ROW_BY_ROW_BELOW``) to the prompt's last
+        token, when that is fewer than ``LOOSE_TAIL_ROWS`` rows.
+
+        llama-server reads a new question after a cached system prompt in one short pass
+        (row by row); a 64-row pass with filler costs 3.5 times that (323 ms against 92
+        for 14 rows after 1,082 cells). The choice depends on the request alone, so a
+        cold read of the same prompt puts these rows on the same path (costing it only
+        these rows' row-by-row premium, and filler when the rows before them end under
+        64 rows into a chunk), and a read that takes the prefix from another request
+        keeps only what that request read alike (``_read_alike``)."""
+        if tail is None or self._marks is None:
+            return None
+        start = max(tail.start, ROW_BY_ROW_BELOW)
+        return start if 0 < tail.end - 1 - start < LOOSE_TAIL_ROWS else None
+
+    def _read_alike(self, marks: bytes | bytearray | None, keep: int,
+                    tail: PromptTail | None) -> int:
+        """How many of the first ``keep`` positions ``marks`` describes a prompt ending in
+        ``tail`` would read just as they were read: all of them once they hold a loose
+        position (a conversation's answer, never read as a fresh read reads it: the rest
+        follows ``_loose_tail``), else up to the first whose path differs from the
+        one this prompt gives that position (``_row_tail``)."""
+        if marks is None or keep == 0 or marks.find(LOOSE, 0, keep) >= 0:
+            return keep
+        row_tail = self._row_tail(tail)
+        split = keep if row_tail is None else min(row_tail, keep)
+        cut = marks.find(TAIL, 0, split)
+        if cut < 0 and split < keep:
+            cut = marks.find(PROMPT, split, keep)
+        return keep if cut < 0 else cut
+
+    def _mark(self, session: int, start: int, count: int, mark: int) -> None:
+        if self._marks is not None and count > 0:
+            self._marks[session][start:start + count] = bytes((mark,)) * count
 
     def _read_recurrent(self, item: Work, tokens: Sequence[int], *,
                         sample: bool = False) -> int | None:
@@ -744,8 +788,8 @@ class GGUFRuntime:
         if ll.llama_state_seq_get_data(self._ctx, buf, size, session) != size:
             return None
         snapshots = self._snapshots
-        loose = bytes(self._loose[session][:length]) if self._loose is not None else b""
-        return SavedState(buf, length, snapshots.held(session) if snapshots else (), loose)
+        marks = bytes(self._marks[session][:length]) if self._marks is not None else b""
+        return SavedState(buf, length, snapshots.held(session) if snapshots else (), marks)
 
     def restore(self, session: int, saved: SavedState, length: int) -> bool:
         """Load what :meth:`save` gave (``length`` tokens) into ``session``, emptied first,
@@ -762,18 +806,21 @@ class GGUFRuntime:
         self._lengths[session] = length
         if self._snapshots is not None:
             self._snapshots.adopt(session, saved.snapshots)
-        if self._loose is not None:
-            self._loose[session][:length] = saved.loose
+        if self._marks is not None:
+            self._marks[session][:length] = saved.marks
         return True
 
-    def restorable(self, saved: SavedState, keep: int) -> int:
-        return self.kv.reachable(saved.length, keep, None if self._snapshots is None else
+    def restorable(self, saved: SavedState, keep: int, tail: PromptTail | None = None) -> int:
+        kept = self.kv.reachable(saved.length, keep, None if self._snapshots is None else
                                  lambda at: snapshot_at_or_below(saved.snapshots, at))
+        return self._read_alike(saved.marks if self._marks is not None else None, kept, tail)
 
-    def reachable(self, session: int, keep: int) -> int:
+    def reachable(self, session: int, keep: int, tail: PromptTail | None = None) -> int:
         snapshots = self._snapshots
-        return self.kv.reachable(self._lengths[session], keep, None if snapshots is None
+        kept = self.kv.reachable(self._lengths[session], keep, None if snapshots is None
                                  else lambda at: snapshots.last_at_or_below(session, at))
+        marks = self._marks
+        return self._read_alike(marks[session] if marks is not None else None, kept, tail)
 
     def fork(self, source: int, target: int, length: int) -> bool:
         if self.kv.fork is ForkKind.NONE or length > self._lengths[source] or source == target:
@@ -781,8 +828,8 @@ class GGUFRuntime:
         if self._snapshots is not None:
             return self._fork_state(source, target, length)
         ll.llama_memory_seq_rm(self._memory, target, 0, -1)
-        if self._loose is not None:
-            self._loose[target][:length] = self._loose[source][:length]
+        if self._marks is not None:
+            self._marks[target][:length] = self._marks[source][:length]
         if self.per_session:
             # Streams copy whole (llama.cpp copies the buffer at the next decode); the
             # target then drops what it does not share.

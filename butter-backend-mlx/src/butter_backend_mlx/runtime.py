@@ -26,6 +26,7 @@ from butter.backend import (
     ForkKind,
     KVFacts,
     KVSpec,
+    PromptTail,
     SamplingParams,
     StepFailedError,
     TruncateKind,
@@ -514,11 +515,11 @@ class MLXRuntime:
             self._snapshots.adopt(session, saved.snapshots)
         return True
 
-    def restorable(self, saved: SavedCaches, keep: int) -> int:
+    def restorable(self, saved: SavedCaches, keep: int, tail: PromptTail | None = None) -> int:
         return self.kv.reachable(saved.length, keep, None if self._snapshots is None else
                                  lambda at: snapshot_at_or_below(saved.snapshots, at))
 
-    def reachable(self, session: int, keep: int) -> int:
+    def reachable(self, session: int, keep: int, tail: PromptTail | None = None) -> int:
         snapshots = self._snapshots
         return self.kv.reachable(self._lengths[session], keep, None if snapshots is None
                                  else lambda at: snapshots.last_at_or_below(session, at))

@@ -179,6 +179,18 @@ class KVFacts:
 
 
 @attrs.frozen
+class PromptTail:
+    """A chat prompt's last message and what follows it (the generation prompt): prompt
+    positions ``start`` to ``end`` (the prompt's length). ``start`` is where the prompt
+    departs from the rendering of every message before the last, so a new question on a
+    cached system prompt, or the next round of an agent, starts its tail at the same
+    position whichever request read the prefix first."""
+
+    start: int
+    end: int
+
+
+@attrs.frozen
 class Work:
     """One session's part of a step: tokens to feed, then maybe a token to draw."""
 
@@ -199,6 +211,9 @@ class Work:
     # Prompt tokens after this chunk's (a back end may read a prompt's tail otherwise
     # when it knows how much of it is left, whatever the chunks).
     prompt_left: int = 0
+    # A chat prompt's final message (a back end may read it otherwise, as long as it
+    # reads it so whatever the chunks and whichever request read the prefix before it).
+    tail: PromptTail | None = None
 
 
 class StepFailedError(RuntimeError):
@@ -250,10 +265,12 @@ class Runtime(Protocol):
         """Keep the first ``keep`` tokens of ``session``; False (and nothing dropped) if
         it cannot rewind there (see ``kv.truncate``). ``keep=0`` always works."""
 
-    def reachable(self, session: int, keep: int) -> int:
+    def reachable(self, session: int, keep: int, tail: PromptTail | None = None) -> int:
         """The longest prefix of at most ``keep`` tokens ``session`` can be cut back to or
         forked at: ``keep`` itself where the cache cuts anywhere or holds exactly ``keep``
-        tokens, the last state snapshot at or below it for recurrent state, else 0."""
+        tokens, the last state snapshot at or below it for recurrent state, else 0. A
+        back end that reads a prompt's ``tail`` otherwise (``Work.tail``) keeps only
+        the positions it read as a prompt with this ``tail`` would read them."""
 
     def fork(self, source: int, target: int, length: int) -> bool:
         """Make ``target`` hold the first ``length`` tokens of ``source``.
@@ -268,10 +285,10 @@ class Runtime(Protocol):
         """Make ``session`` hold the ``length`` tokens ``saved`` holds; False leaves it
         empty."""
 
-    def restorable(self, saved: object, keep: int) -> int:
+    def restorable(self, saved: object, keep: int, tail: PromptTail | None = None) -> int:
         """The longest prefix of at most ``keep`` tokens a session restored from ``saved``
         can be cut back to (as :meth:`reachable` for a session: the last state snapshot
-        it kept for recurrent state, else ``keep``)."""
+        it kept for recurrent state, else ``keep``; and as that reads ``tail``)."""
 
     def describe(self) -> dict[str, object]:
         """Back-end facts for the model card (micro-batch rows, threads, ...)."""

@@ -26,6 +26,7 @@ from butter.backend import (
     KVSpec,
     LoadedModel,
     ModelInfo,
+    PromptTail,
     check_options,
 )
 from butter.chat.answer import Answer, AnswerReader
@@ -35,6 +36,7 @@ from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.recovery import ContentDelta, ReasoningDelta, StreamParser, ToolCall
 from butter.chat.request import ChatRequest, parse_messages, parse_tools
 from butter.chat.template import ChatTemplate
+from butter.engine.admission import common_prefix
 from butter.engine.constraint import Constraint, Grammars
 from butter.engine.events import SyncChannel
 from butter.engine.planner import PREFILL_CHUNK
@@ -58,6 +60,9 @@ GENERATE_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "sto
                               "chat", "ignore_eos", "min_tokens", "top_k", "frequency_penalty",
                               "presence_penalty", "repetition_penalty", "logit_bias", "min_p",
                               "speculation"})
+# A final message longer than this many characters is never looked for in its prompt: no
+# back end reads a tail that long otherwise (the GGUF one, under 40 tokens).
+TAIL_CHARS = 2048
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,6 +95,7 @@ class Prepared:
     tokens: list[int]
     reader: AnswerReader
     constraint: Constraint | None = None
+    tail: PromptTail | None = None  # a chat prompt's final message (``Work.tail``)
 
 
 class Model:
@@ -191,7 +197,26 @@ class Model:
             tokens = self._infill(request.raw_prompt or "", request.suffix)
         else:
             tokens = self.encode(plan.text)
-        return Prepared(tokens, reader, self.grammars.compile(spec) if spec else None)
+        tail = None if completion else self._tail(plan, tokens)
+        return Prepared(tokens, reader, self.grammars.compile(spec) if spec else None, tail)
+
+    def _tail(self, plan: PromptPlan, tokens: list[int]) -> PromptTail | None:
+        """Where the final message of a chat prompt of ``tokens`` starts: the longest token
+        prefix it shares with the rendering of every message before it. None when that
+        message runs past ``TAIL_CHARS``."""
+        history, text = plan.history, plan.text
+        if history is None:
+            return None
+        low, high = 0, min(len(history), len(text))  # text starts with history[:low]
+        while low < high:
+            middle = (low + high + 1) // 2
+            if text.startswith(history[:middle]):
+                low = middle
+            else:
+                high = middle - 1
+        if len(text) - low > TAIL_CHARS:
+            return None
+        return PromptTail(common_prefix(self.encode(text[:low]), tokens), len(tokens))
 
     def _checked_ids(self, ids: Sequence[int]) -> list[int]:
         n_vocab = self.info.n_vocab
@@ -299,7 +324,8 @@ class Model:
         prepared = self._prompt(messages_or_prompt, options, params)
         answer = Answer(prepared.reader)
         channel = SyncChannel()
-        request = Request(prepared.tokens, params, channel, prepared.constraint)
+        request = Request(prepared.tokens, params, channel, prepared.constraint,
+                          tail=prepared.tail)
         engine = self.engine
         engine.submit(request)
         try:

@@ -290,7 +290,8 @@ class ButterServeBackend:
         # engine thread waits for a large prompt.
         prepared = await asyncio.to_thread(self._prepare, request)
         channel = AsyncChannel()
-        engine_request = Request(prepared.tokens, request.params, channel, prepared.constraint)
+        engine_request = Request(prepared.tokens, request.params, channel, prepared.constraint,
+                                 tail=prepared.tail)
         generation = Generation(self, engine_request, channel, prepared.reader)
         self.engine.submit(engine_request)
         try:

@@ -27,6 +27,7 @@ from butter.chat.recovery import THINK_OPEN
 from butter.chat.request import ChatRequest
 from butter.chat.template import ChatTemplate
 from butter.chat.toolformats import HERMES
+from butter.errors import TemplateError
 
 TOOLS_PREAMBLE = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -51,6 +52,9 @@ class PromptPlan:
     # Text the prompt already wrote for the model (a forced tool-call opening): the
     # answer is read as if it started with it.
     answer_prefix: str = ""
+    # Every message but the last, rendered without a generation prompt (None where the
+    # template refuses that): ``text`` departs from it where the final message starts.
+    history: str | None = None
 
 
 def build_prompt(request: ChatRequest, template: ChatTemplate, *,
@@ -84,7 +88,20 @@ def build_prompt(request: ChatRequest, template: ChatTemplate, *,
     prefix = _forced_opening(request) if use_tools and not think_open else ""
     return PromptPlan(text=text + guard.hide(prefix), parse_tools=use_tools, think_open=think_open,
                       tool_format=template.tool_format, bare_calls=template.bare_calls,
-                      answer_prefix=prefix)
+                      answer_prefix=prefix, history=_history(template, messages, tools, kwargs))
+
+
+def _history(template: ChatTemplate, messages: list[dict[str, Any]],
+             tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str | None:
+    """Every message before the last, rendered as in the prompt, without a generation
+    prompt; None for a single message the template will not render without, or refuses."""
+    if not messages:
+        return None
+    try:
+        return template.render(messages[:-1], tools=tools, add_generation_prompt=False,
+                               **kwargs)
+    except TemplateError:
+        return None
 
 
 def _forced_opening(request: ChatRequest) -> str:

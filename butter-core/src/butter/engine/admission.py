@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from butter.backend import KVFacts, TruncateKind
+from butter.backend import KVFacts, PromptTail
 from butter.engine.records import Request, Session
 from butter.errors import ContextLengthExceededError
 
@@ -44,22 +44,23 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class Admission:
     def __init__(self, kv: KVFacts, parallel: int,
-                 reachable: Callable[[int, int], int] | None = None) -> None:
+                 reachable: Callable[[int, int, PromptTail | None], int] | None = None,
+                 ) -> None:
         self.kv = kv
         self.parallel = parallel
-        # The runtime's ``reachable(seq_id, keep)``: where a snapshot lets it cut.
+        # The runtime's ``reachable(seq_id, keep, tail)``: where a snapshot lets it cut,
+        # and how far its cache was read as a prompt with this tail reads it.
         self._reachable = reachable
 
-    def reachable(self, session: Session, keep: int) -> int:
+    def reachable(self, session: Session, keep: int, tail: PromptTail | None = None) -> int:
         """The longest prefix of at most ``keep`` of ``session``'s tokens it can be cut
-        back to (or forked at); 0 if none."""
+        back to (or forked at) for a prompt ending in ``tail``; 0 if none."""
         length = len(session.tokens)
         if self.kv.wrapped(length):
             return 0
-        if keep >= length:
-            return length
-        if self.kv.truncate is TruncateKind.SNAPSHOTS and self._reachable is not None:
-            return self._reachable(session.seq_id, keep)
+        keep = min(keep, length)
+        if self._reachable is not None:
+            return self._reachable(session.seq_id, keep, tail)
         return keep if self.kv.can_truncate(length, keep) else 0
 
     @property
@@ -93,7 +94,7 @@ class Admission:
         return min(room, max(share, DEFAULT_MIN_COMPLETION))
 
     def pick_session(
-        self, idle: Sequence[Session], prompt: Sequence[int]
+        self, idle: Sequence[Session], prompt: Sequence[int], tail: PromptTail | None = None
     ) -> tuple[Session | None, int]:
         """The idle session with the longest reusable prefix (then least recently used;
         with a KV stream per session, the lowest: busy sessions then sit side by side,
@@ -109,13 +110,14 @@ class Admission:
         order = (lambda s: s.seq_id) if self.kv.per_session else (lambda s: s.last_used)
         for session in sorted(idle, key=order):
             reuse = self.reachable(
-                session, min(common_prefix(session.tokens, prompt), len(prompt) - 1))
+                session, min(common_prefix(session.tokens, prompt), len(prompt) - 1), tail)
             if reuse > best_reuse:
                 best, best_reuse = session, reuse
         return best, max(best_reuse, 0)
 
     def best_source(
-        self, sessions: Sequence[Session], prompt: Sequence[int], *, better_than: int
+        self, sessions: Sequence[Session], prompt: Sequence[int], *, better_than: int,
+        tail: PromptTail | None = None,
     ) -> tuple[Session | None, int]:
         """The session, idle or busy, holding the longest prefix of ``prompt``.
 
@@ -130,8 +132,8 @@ class Admission:
             if self.kv.wrapped(len(session.tokens)):
                 continue
             shared = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-            if self.kv.truncate is TruncateKind.SNAPSHOTS:
-                shared = self.reachable(session, shared)
+            if shared > best_shared:
+                shared = self.reachable(session, shared, tail)
             if shared > best_shared:
                 best, best_shared = session, shared
         return (best, best_shared) if best is not None else (None, 0)

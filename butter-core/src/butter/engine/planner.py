@@ -112,7 +112,8 @@ class Planner:
                                               request.prompt_tokens[start:end],
                                               request.sampler if last else None,
                                               self.mask(request) if last else None,
-                                              prompt_left=len(request.prompt_tokens) - end)))
+                                              prompt_left=len(request.prompt_tokens) - end,
+                                              tail=request.tail)))
         self._waited = waited
         self._waits = {r.id: self._waits.get(r.id, 0) + 1 for r in prefilling
                        if r.id in waited}

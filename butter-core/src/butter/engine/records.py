@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from butter.backend import Sampler, SamplingParams
+from butter.backend import PromptTail, Sampler, SamplingParams
 from butter.engine.events import Channel
 from butter.engine.text import Detokenizer, StopMatcher
 from butter.generation import GenerationParams, Logprob
@@ -50,6 +50,7 @@ class Request:
     params: GenerationParams
     channel: Channel
     constraint: Constraint | None = None  # a grammar its tokens must follow
+    tail: PromptTail | None = None  # a chat prompt's final message (``Work.tail``)
     id: int = attrs.field(factory=lambda: next(_request_ids))
     submitted_at: float = attrs.field(factory=time.monotonic)
     # Set from any thread; the engine acts on it at the next bounded work unit.

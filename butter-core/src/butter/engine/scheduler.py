@@ -280,7 +280,7 @@ class Engine:
             if self._twin_prefilling(request):
                 return  # n choices: the rest fork the first's prompt once it is read
             idle = [s for s in self._sessions if s.idle]
-            session, reuse = admission.pick_session(idle, request.prompt_tokens)
+            session, reuse = admission.pick_session(idle, request.prompt_tokens, request.tail)
             evict = admission.make_room(request, session, self._active, idle)
             if evict is None:
                 if not self._active:  # cannot happen after plan(); never spin on it
@@ -352,13 +352,14 @@ class Engine:
         """
         others = [s for s in self._sessions if s is not session and s.tokens] \
             if self._runtime.kv.fork is not ForkKind.NONE else []
+        tail = request.tail
         source, forked = self._admission.best_source(others, request.prompt_tokens,
-                                                     better_than=reuse)
+                                                     better_than=reuse, tail=tail)
         cache = self._prompt_cache
         if cache is not None:
-            entry, shared = cache.best(request.prompt_tokens,
-                                       better_than=max(reuse, forked) + MIN_GAIN,
-                                       reach=self._runtime.restorable)
+            entry, shared = cache.best(
+                request.prompt_tokens, better_than=max(reuse, forked) + MIN_GAIN,
+                reach=lambda data, keep: self._runtime.restorable(data, keep, tail))
             if entry is not None:
                 return self._load(session, entry, shared)
         if source is None or not self._runtime.fork(source.seq_id, session.seq_id, forked):
