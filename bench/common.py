@@ -301,6 +301,30 @@ def report_rounds(args: argparse.Namespace, results: dict[str, list[dict]],
                                 "threads": args.threads, **details})
 
 
+def chart_rounds(paths: Sequence[Path], plot: Path, figures: Sequence[str],
+                 panels: Sequence[tuple[str, str]], title: str,
+                 label: Callable[[dict], str] = lambda run: "") -> None:
+    """Bars of each saved run's (``report_rounds``' JSON) per-server medians: butter
+    (with its flags) and its peer (llama-server, or butter again in an A/A run);
+    ``label(run)`` is added to both columns' names."""
+    from butter.bench.plot import bars
+
+    setups: dict[str, dict[str, float]] = {}
+    for path in paths:
+        run = json.loads(path.read_text())
+        flags = f" {run['butter_args']}" if run.get("butter_args") else ""
+        extra = label(run)
+        sides = {"butter": f"butter{flags} (A/A: A{extra})",
+                 "peer": f"butter{flags} (A/A: B{extra})"} if run.get("same") else \
+            {"butter": f"butter{flags}{extra}", "peer": f"llama-server{extra}"}
+        for side, name in sides.items():
+            while name in setups:
+                name += "'"
+            setups[name] = {figure: statistics.median(r[figure] for r in run["rounds"][side])
+                            for figure in figures}
+    console.print(f"chart: {bars(setups, panels, plot, title=title)}")
+
+
 def median(values: Sequence[float]) -> float | None:
     return serve_bench.percentile(list(values), 50)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -100,27 +99,9 @@ async def workload(base: str, args: argparse.Namespace, round_index: int) -> dic
     return found
 
 
-def chart(paths: list[Path], plot: Path) -> None:
-    """Bars of each saved run's per-server medians: butter (with its flags) and its
-    peer (llama-server, or butter again in an A/A run)."""
-    from butter.bench.plot import bars
-
-    setups: dict[str, dict[str, float]] = {}
-    for path in paths:
-        run = json.loads(path.read_text())
-        flags = f" {run['butter_args']}" if run.get("butter_args") else ""
-        turn = f", +{run['turn']} words" if run.get("turn") else ""
-        sides = {"butter": f"butter{flags} (A/A: A{turn})",
-                 "peer": f"butter{flags} (A/A: B{turn})"} if run.get("same") else \
-            {"butter": f"butter{flags}{turn}", "peer": f"llama-server{turn}"}
-        for side, label in sides.items():
-            while label in setups:
-                label += "'"
-            setups[label] = {figure: statistics.median(r[figure] for r in run["rounds"][side])
-                             for figure in FIGURES}
-    title = ("12 conversations coming back after others took their 4 sessions "
-             "(SmolLM2 Q4_1, 2 threads)")
-    print(f"chart: {bars(setups, PANELS, plot, title=title)}")
+def label(run: dict) -> str:
+    """What a saved run adds to its columns' names: the return turn's tool output."""
+    return f", +{run['turn']} words" if run.get("turn") else ""
 
 
 def main() -> int:
@@ -144,7 +125,9 @@ def main() -> int:
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot FILE")
-        chart(args.replot, args.plot)
+        title = ("12 conversations coming back after others took their 4 sessions "
+                 "(SmolLM2 Q4_1, 2 threads)")
+        common.chart_rounds(args.replot, args.plot, FIGURES, PANELS, title, label)
         return 0
 
     def measure(root: str, side: str, round_index: int) -> dict:

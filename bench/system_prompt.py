@@ -14,6 +14,9 @@ the other; the side going first alternates, and every round's texts are new.
 ``--same butter`` runs one server in both columns (the A/A spread).
 
     .venv/bin/python bench/system_prompt.py [--rounds 5] [--same butter] [--json out.json]
+    .venv/bin/python bench/system_prompt.py --replot A.json B.json ... --plot chart.png
+
+``--replot`` draws the saved runs' medians side by side (a bar per server and setting).
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ import asyncio
 import random
 import statistics
 import time
+from pathlib import Path
 
 import common
 import httpx
 
 FIGURES = ("question_p50", "question_total", "first")
+PANELS = (("question_p50", "new question, median s (lower is better)"),
+          ("question_total", "all new questions, s (lower is better)"),
+          ("first", "first request (cold read), s (lower is better)"))
+TITLE = "New questions on a cached ~1,000-token system prompt (SmolLM2 Q4_1, 2 threads)"
 QUESTIONS = ("Which word comes up most?", "Which word is the rarest?",
              "Name three words that appear twice.", "What is the last word?",
              "How many lines are there?", "Is 'copper' in it?",
@@ -77,7 +85,15 @@ def main() -> int:
     parser.add_argument("--slot-context", type=int, default=2048)
     parser.add_argument("--same", choices=common.SERVERS,
                         help="one server in both columns (the A/A run)")
+    parser.add_argument("--plot", type=Path, metavar="FILE", help="with --replot: the chart")
+    parser.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
+                        help="draw these saved runs (--json files) into --plot, run nothing")
     args = parser.parse_args()
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot FILE")
+        common.chart_rounds(args.replot, args.plot, FIGURES, PANELS, TITLE)
+        return 0
 
     def measure(root: str, side: str, round_index: int) -> dict:
         return asyncio.run(workload(f"{root}/v1", args, round_index))
