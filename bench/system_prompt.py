@@ -34,7 +34,7 @@ import httpx
 FIGURES = ("question_p50", "question_total", "first")
 PANELS = (("question_p50", "new question, median s (lower is better)"),
           ("question_total", "all new questions, s (lower is better)"),
-          ("first", "first request (cold read), s (lower is better)"))
+          ("first", "first request, a cold read, s"))
 TITLE = "New questions on a cached ~1,000-token system prompt (SmolLM2 Q4_1, 2 threads)"
 QUESTIONS = ("Which word comes up most?", "Which word is the rarest?",
              "Name three words that appear twice.", "What is the last word?",
@@ -85,6 +85,8 @@ def main() -> int:
     parser.add_argument("--slot-context", type=int, default=2048)
     parser.add_argument("--same", choices=common.SERVERS,
                         help="one server in both columns (the A/A run)")
+    parser.add_argument("--label", default="",
+                        help="added to both columns' names in a --replot chart")
     parser.add_argument("--plot", type=Path, metavar="FILE", help="with --replot: the chart")
     parser.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
                         help="draw these saved runs (--json files) into --plot, run nothing")
@@ -92,7 +94,8 @@ def main() -> int:
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot FILE")
-        common.chart_rounds(args.replot, args.plot, FIGURES, PANELS, TITLE)
+        common.chart_rounds(args.replot, args.plot, FIGURES, PANELS, TITLE,
+                            lambda run: run.get("label", ""))
         return 0
 
     def measure(root: str, side: str, round_index: int) -> dict:
@@ -104,7 +107,8 @@ def main() -> int:
         return 0
     title = (f"{args.questions} new questions, one at a time, on a cached ~{args.tokens}-token "
              f"system prompt; {args.threads} threads")
-    common.report_rounds(args, results, FIGURES, title, butter_args=args.butter_args)
+    common.report_rounds(args, results, FIGURES, title, butter_args=args.butter_args,
+                         label=args.label)
     return 0
 
 
