@@ -131,3 +131,28 @@ def test_the_readme_library_example_runs(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip()
+
+
+def test_a_chat_prompt_knows_where_its_final_message_starts(model):
+    """Every question on one system prompt starts its final message at the same token:
+    where the runtime may read it otherwise (``PromptTail``), whatever the question."""
+    from butter.chat.request import ChatRequest, parse_messages
+    from butter.generation import GenerationParams
+
+    def prepared(*messages):
+        chat = ChatRequest(messages=parse_messages(list(messages)), params=GenerationParams())
+        return model.prepare(chat)
+
+    system = {"role": "system", "content": "You keep the harbour log. " * 20}
+    first = prepared(system, {"role": "user", "content": "When does the tide turn?"})
+    second = prepared(system, {"role": "user", "content": "<|im_end|> Who rang the bell?"})
+    assert first.tail.start == second.tail.start
+    assert first.tokens[:first.tail.start] == second.tokens[:second.tail.start]
+    assert first.tail.end == len(first.tokens) and second.tail.end == len(second.tokens)
+    head = model.prepare(ChatRequest(messages=parse_messages([system]),
+                                     params=GenerationParams()))
+    start = first.tail.start  # the system turn ends there
+    assert start < len(head.tokens) and head.tokens[:start] == first.tokens[:start]
+    # A completion has no messages, so no final message either.
+    raw = model.prepare(ChatRequest(messages=[], params=GenerationParams(), raw_prompt="Hi"))
+    assert raw.tail is None

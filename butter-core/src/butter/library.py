@@ -36,7 +36,6 @@ from butter.chat.prompt import PromptPlan, build_prompt
 from butter.chat.recovery import ContentDelta, ReasoningDelta, StreamParser, ToolCall
 from butter.chat.request import ChatRequest, parse_messages, parse_tools
 from butter.chat.template import ChatTemplate
-from butter.engine.admission import common_prefix
 from butter.engine.constraint import Constraint, Grammars
 from butter.engine.events import SyncChannel
 from butter.engine.planner import PREFILL_CHUNK
@@ -201,9 +200,11 @@ class Model:
         return Prepared(tokens, reader, self.grammars.compile(spec) if spec else None, tail)
 
     def _tail(self, plan: PromptPlan, tokens: list[int]) -> PromptTail | None:
-        """Where the final message of a chat prompt of ``tokens`` starts: the longest token
-        prefix it shares with the rendering of every message before it. None when that
-        message runs past ``TAIL_CHARS``."""
+        """Where the final message of a chat prompt of ``tokens`` starts: after the text
+        it shares with the rendering of every message before it, where the prompt's tokens
+        end with that final text's own (they split there: a template's special token).
+        None when they do not, or the final text runs past ``TAIL_CHARS``: only the final
+        text is tokenized again, never a long system prompt."""
         history, text = plan.history, plan.text
         if history is None:
             return None
@@ -216,7 +217,12 @@ class Model:
                 high = middle - 1
         if len(text) - low > TAIL_CHARS:
             return None
-        return PromptTail(common_prefix(self.encode(text[:low]), tokens), len(tokens))
+        with self._in_use():
+            final = self.guard.encode(text[low:], self._tokenize, add_special=False)
+        start = len(tokens) - len(final)
+        if start < 0 or tokens[start:] != final:
+            return None
+        return PromptTail(start, len(tokens))
 
     def _checked_ids(self, ids: Sequence[int]) -> list[int]:
         n_vocab = self.info.n_vocab
