@@ -307,7 +307,9 @@ class GGUFRuntime:
     ``per-session`` (``kv_unified=false``, as llama-server runs): each session is its
     own KV stream of ``capacity / n_sessions`` cells in position order, so attention over
     it never depends on other sessions. Each prompt chunk runs in passes of its own, each
-    position on the attention path its absolute position names (``_prefill``); every
+    position on the attention path its absolute position and the request name
+    (``_prefill``), and a cached prefix is kept only as far as it was read so
+    (``_read_alike``); every
     one-token row (decode rows, a prompt's last token) goes in one shared pass, ordered
     so each row takes the same attention path alone or batched (``_row_order``). The
     same request then gives the same answer whatever runs beside it. Forks copy the
@@ -607,7 +609,9 @@ class GGUFRuntime:
 
     def _prefill(self, item: Work, body: Sequence[int]) -> None:
         """Feed a chunk (no logits), each prompt position on the attention path its
-        absolute position names, so it is computed the same in whichever chunk it falls.
+        absolute position names, so it is computed the same in whichever chunk it falls;
+        a chat prompt's short final message row by row (``_row_tail``), a short tail after
+        a decoded answer too (``_loose_tail``).
 
         ggml's CPU flash attention sums differently for passes under 64 rows of a stream
         (row by row: each row alone) and from 64 on (tiled, the same whatever the
@@ -667,9 +671,10 @@ class GGUFRuntime:
             and marks[item.session][start - 1] == LOOSE
 
     def _row_tail(self, tail: PromptTail | None) -> int | None:
-        """The first position of a chat prompt's final message read row by row (no
-        filler), or None: from its start (or ``ROW_BY_ROW_BELOW``) to the prompt's last
-        token, when that is fewer than ``LOOSE_TAIL_ROWS`` rows.
+        """The first position of a chat prompt's final message read row by row (in passes
+        of its own rows, one filler row only beside a lone one), or None: from its start
+        (or ``ROW_BY_ROW_BELOW``) to the prompt's last token, when that is fewer than
+        ``LOOSE_TAIL_ROWS`` rows.
 
         llama-server reads a new question after a cached system prompt in one short pass
         (row by row); a 64-row pass with filler costs 3.5 times that (323 ms against 92
@@ -683,21 +688,25 @@ class GGUFRuntime:
         start = max(tail.start, ROW_BY_ROW_BELOW)
         return start if 0 < tail.end - 1 - start < LOOSE_TAIL_ROWS else None
 
-    def _read_alike(self, marks: bytes | bytearray | None, keep: int,
+    def _read_alike(self, marks: bytes | bytearray | None, length: int, keep: int,
                     tail: PromptTail | None) -> int:
-        """How many of the first ``keep`` positions ``marks`` describes a prompt ending in
-        ``tail`` would read just as they were read: all of them once they hold a loose
-        position (a conversation's answer, never read as a fresh read reads it: the rest
-        follows ``_loose_tail``), else up to the first whose path differs from the
-        one this prompt gives that position (``_row_tail``)."""
-        if marks is None or keep == 0 or marks.find(LOOSE, 0, keep) >= 0:
-            return keep
+        """How many of the first ``keep`` of ``length`` positions ``marks`` describes a
+        prompt ending in ``tail`` would read just as they were read: all of them once
+        they hold a loose position (a conversation's answer, never read as a fresh read
+        reads it; so are its question's rows, kept whichever path they took, as before
+        the tail rule: the rest follows ``_loose_tail``), else up to the first whose path
+        differs from the one this prompt gives it (``_row_tail``); 0 where the cache
+        cannot be cut there (a sliding-window model cuts nowhere)."""
+        if marks is None or keep <= 0 or marks.find(LOOSE, 0, keep) >= 0:
+            return max(keep, 0)
         row_tail = self._row_tail(tail)
         split = keep if row_tail is None else min(row_tail, keep)
         cut = marks.find(TAIL, 0, split)
         if cut < 0 and split < keep:
             cut = marks.find(PROMPT, split, keep)
-        return keep if cut < 0 else cut
+        if cut < 0:
+            return keep
+        return cut if self.kv.can_truncate(length, cut) else 0
 
     def _mark(self, session: int, start: int, count: int, mark: int) -> None:
         if self._marks is not None and count > 0:
@@ -813,14 +822,16 @@ class GGUFRuntime:
     def restorable(self, saved: SavedState, keep: int, tail: PromptTail | None = None) -> int:
         kept = self.kv.reachable(saved.length, keep, None if self._snapshots is None else
                                  lambda at: snapshot_at_or_below(saved.snapshots, at))
-        return self._read_alike(saved.marks if self._marks is not None else None, kept, tail)
+        return self._read_alike(saved.marks if self._marks is not None else None,
+                                saved.length, kept, tail)
 
     def reachable(self, session: int, keep: int, tail: PromptTail | None = None) -> int:
         snapshots = self._snapshots
         kept = self.kv.reachable(self._lengths[session], keep, None if snapshots is None
                                  else lambda at: snapshots.last_at_or_below(session, at))
         marks = self._marks
-        return self._read_alike(marks[session] if marks is not None else None, kept, tail)
+        return self._read_alike(marks[session] if marks is not None else None,
+                                self._lengths[session], kept, tail)
 
     def fork(self, source: int, target: int, length: int) -> bool:
         if self.kv.fork is ForkKind.NONE or length > self._lengths[source] or source == target:

@@ -182,9 +182,9 @@ class KVFacts:
 class PromptTail:
     """A chat prompt's last message and what follows it (the generation prompt): prompt
     positions ``start`` to ``end`` (the prompt's length). ``start`` is where the prompt
-    departs from the rendering of every message before the last, so a new question on a
-    cached system prompt, or the next round of an agent, starts its tail at the same
-    position whichever request read the prefix first."""
+    departs from the rendering of every message before the last: it depends on the
+    request alone, and every new question on one system prompt starts its tail at the
+    same position."""
 
     start: int
     end: int
@@ -269,8 +269,8 @@ class Runtime(Protocol):
         """The longest prefix of at most ``keep`` tokens ``session`` can be cut back to or
         forked at: ``keep`` itself where the cache cuts anywhere or holds exactly ``keep``
         tokens, the last state snapshot at or below it for recurrent state, else 0. A
-        back end that reads a prompt's ``tail`` otherwise (``Work.tail``) keeps only
-        the positions it read as a prompt with this ``tail`` would read them."""
+        back end that reads a prompt's ``tail`` otherwise (``Work.tail``) may keep less:
+        only the positions it read as a prompt with this ``tail`` reads them."""
 
     def fork(self, source: int, target: int, length: int) -> bool:
         """Make ``target`` hold the first ``length`` tokens of ``source``.
