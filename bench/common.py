@@ -301,6 +301,29 @@ def report_rounds(args: argparse.Namespace, results: dict[str, list[dict]],
                                 "threads": args.threads, **details})
 
 
+def add_round_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a ``run_rounds`` script beside ``add_common_arguments``: the A/A
+    run and drawing saved runs (``replot``)."""
+    parser.add_argument("--same", choices=SERVERS,
+                        help="one server in both columns (the A/A run)")
+    parser.add_argument("--plot", type=Path, metavar="FILE", help="with --replot: the chart")
+    parser.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
+                        help="draw these saved runs (--json files) into --plot, run nothing")
+
+
+def replot(parser: argparse.ArgumentParser, args: argparse.Namespace,
+           figures: Sequence[str], panels: Sequence[tuple[str, str]], title: str,
+           label: Callable[[dict], str] = lambda run: "") -> bool:
+    """With ``--replot``, draw the saved runs into ``--plot`` (``chart_rounds``) and say
+    so: the script then runs nothing."""
+    if not args.replot:
+        return False
+    if not args.plot:
+        parser.error("--replot needs --plot FILE")
+    chart_rounds(args.replot, args.plot, figures, panels, title, label)
+    return True
+
+
 def chart_rounds(paths: Sequence[Path], plot: Path, figures: Sequence[str],
                  panels: Sequence[tuple[str, str]], title: str,
                  label: Callable[[dict], str] = lambda run: "") -> None:

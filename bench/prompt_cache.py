@@ -31,7 +31,6 @@ import asyncio
 import random
 import statistics
 import time
-from pathlib import Path
 
 import common
 import httpx
@@ -116,18 +115,11 @@ def main() -> int:
                         help="words of tool output a return turn adds before its question")
     parser.add_argument("--answer", type=int, default=32, help="first-turn answer tokens")
     parser.add_argument("--slot-context", type=int, default=2048)
-    parser.add_argument("--same", choices=common.SERVERS,
-                        help="one server in both columns (the A/A run)")
-    parser.add_argument("--plot", type=Path, metavar="FILE", help="with --replot: the chart")
-    parser.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
-                        help="draw these saved runs (--json files) into --plot, run nothing")
+    common.add_round_arguments(parser)
     args = parser.parse_args()
-    if args.replot:
-        if not args.plot:
-            parser.error("--replot needs --plot FILE")
-        title = ("12 conversations coming back after others took their 4 sessions "
-                 "(SmolLM2 Q4_1, 2 threads)")
-        common.chart_rounds(args.replot, args.plot, FIGURES, PANELS, title, label)
+    title = ("12 conversations coming back after others took their 4 sessions "
+             "(SmolLM2 Q4_1, 2 threads)")
+    if common.replot(parser, args, FIGURES, PANELS, title, label):
         return 0
 
     def measure(root: str, side: str, round_index: int) -> dict:

@@ -26,7 +26,6 @@ import asyncio
 import random
 import statistics
 import time
-from pathlib import Path
 
 import common
 import httpx
@@ -83,19 +82,11 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=4, help="sessions (slots) per server")
     parser.add_argument("--tokens", type=int, default=1000, help="system prompt tokens")
     parser.add_argument("--slot-context", type=int, default=2048)
-    parser.add_argument("--same", choices=common.SERVERS,
-                        help="one server in both columns (the A/A run)")
     parser.add_argument("--label", default="",
                         help="added to both columns' names in a --replot chart")
-    parser.add_argument("--plot", type=Path, metavar="FILE", help="with --replot: the chart")
-    parser.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
-                        help="draw these saved runs (--json files) into --plot, run nothing")
+    common.add_round_arguments(parser)
     args = parser.parse_args()
-    if args.replot:
-        if not args.plot:
-            parser.error("--replot needs --plot FILE")
-        common.chart_rounds(args.replot, args.plot, FIGURES, PANELS, TITLE,
-                            lambda run: run.get("label", ""))
+    if common.replot(parser, args, FIGURES, PANELS, TITLE, lambda run: run.get("label", "")):
         return 0
 
     def measure(root: str, side: str, round_index: int) -> dict:
