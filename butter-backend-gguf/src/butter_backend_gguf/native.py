@@ -11,7 +11,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import llama_cpp as ll
@@ -688,16 +688,18 @@ class GGUFRuntime:
         start = max(tail.start, ROW_BY_ROW_BELOW)
         return start if 0 < tail.end - 1 - start < LOOSE_TAIL_ROWS else None
 
-    def _read_alike(self, marks: bytes | bytearray | None, length: int, keep: int,
-                    tail: PromptTail | None) -> int:
-        """How many of the first ``keep`` of ``length`` positions ``marks`` describes a
-        prompt ending in ``tail`` would read just as they were read: all of them once
+    def _read_alike(self, length: int, keep: int, at_or_below: Callable[[int], int] | None,
+                    marks: bytes | bytearray, tail: PromptTail | None) -> int:
+        """How many of the first ``keep`` of ``length`` cached positions (``marks``) a
+        prompt ending in ``tail`` keeps: where the cache can be cut (``KVFacts.reachable``,
+        the last snapshot ``at_or_below`` for recurrent state), and of those, all once
         they hold a loose position (a conversation's answer, never read as a fresh read
         reads it; so are its question's rows, kept whichever path they took, as before
         the tail rule: the rest follows ``_loose_tail``), else up to the first whose path
         differs from the one this prompt gives it (``_row_tail``); 0 where the cache
         cannot be cut there (a sliding-window model cuts nowhere)."""
-        if marks is None or keep <= 0 or marks.find(LOOSE, 0, keep) >= 0:
+        keep = self.kv.reachable(length, keep, at_or_below)
+        if self._marks is None or keep <= 0 or marks.find(LOOSE, 0, keep) >= 0:
             return max(keep, 0)
         row_tail = self._row_tail(tail)
         split = keep if row_tail is None else min(row_tail, keep)
@@ -820,18 +822,15 @@ class GGUFRuntime:
         return True
 
     def restorable(self, saved: SavedState, keep: int, tail: PromptTail | None = None) -> int:
-        kept = self.kv.reachable(saved.length, keep, None if self._snapshots is None else
-                                 lambda at: snapshot_at_or_below(saved.snapshots, at))
-        return self._read_alike(saved.marks if self._marks is not None else None,
-                                saved.length, kept, tail)
+        return self._read_alike(saved.length, keep, None if self._snapshots is None else
+                                lambda at: snapshot_at_or_below(saved.snapshots, at),
+                                saved.marks, tail)
 
     def reachable(self, session: int, keep: int, tail: PromptTail | None = None) -> int:
-        snapshots = self._snapshots
-        kept = self.kv.reachable(self._lengths[session], keep, None if snapshots is None
-                                 else lambda at: snapshots.last_at_or_below(session, at))
-        marks = self._marks
-        return self._read_alike(marks[session] if marks is not None else None,
-                                self._lengths[session], kept, tail)
+        snapshots, marks = self._snapshots, self._marks
+        return self._read_alike(self._lengths[session], keep, None if snapshots is None
+                                else lambda at: snapshots.last_at_or_below(session, at),
+                                marks[session] if marks is not None else b"", tail)
 
     def fork(self, source: int, target: int, length: int) -> bool:
         if self.kv.fork is ForkKind.NONE or length > self._lengths[source] or source == target:
